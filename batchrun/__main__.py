@@ -1,0 +1,3 @@
+from batchrun.cli import main
+
+main()

@@ -1,0 +1,323 @@
+"""The continuous-batching engine: mlx-lm's BatchGenerator plus scheduling, stops and stats.
+
+Invariants:
+- every request added ends as exactly one Output (stop / length / abort / error);
+- a request is inserted into the BatchGenerator only when the running batch's KV cache, with it,
+  fits the memory budget, and the running batch never exceeds `max_concurrency`;
+- sampling randomness belongs to the request (see sampling.py), so a row's text does not depend
+  on which other rows share its batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from batchrun.engine.memory import MemoryBudget, kv_budget, measure_kv
+from batchrun.engine.prompt import PromptBuilder
+from batchrun.engine.request import (
+    EngineConfig,
+    EngineStats,
+    FinishReason,
+    Output,
+    SamplingParams,
+)
+from batchrun.engine.sampling import make_sampler
+
+MAX_AUTO_CONCURRENCY = 256
+TIMELINE_INTERVAL_S = 0.5
+
+
+@dataclass(slots=True)
+class Sequence:
+    """One request's state from admission to its Output."""
+
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    stop_sequences: StopSequences
+    detokenizer: Any
+    max_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    uid: int | None = None  # BatchGenerator's id once admitted
+    admitted_at: float = 0.0
+    ttft: float | None = None
+    stop_scan_from: int = 0  # text offset before which no stop string can start
+    cut_text: str | None = None  # the text before a stop string, once one was found
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + self.max_tokens
+
+
+class Engine:
+    """Add requests, call `step()` until `has_work()` is false; each step returns finished ones."""
+
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None,
+                 context_length: int | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config or EngineConfig()
+        self.prompts = PromptBuilder(tokenizer)
+        self.context_length = context_length
+        self._eos = tuple(sorted(tokenizer.eos_token_ids))
+        self._default_stops = StopSequences([(t,) for t in self._eos])
+        budget = self.config.kv_budget_bytes
+        if budget is None:
+            budget = kv_budget(model, self.config.memory_utilization)
+        self.memory = MemoryBudget(measure_kv(model), budget)
+        self.max_concurrency = self.config.max_concurrency or MAX_AUTO_CONCURRENCY
+        self._gen = BatchGenerator(
+            model,
+            stop_tokens=[[t] for t in self._eos],
+            completion_batch_size=self.max_concurrency,
+            prefill_batch_size=min(self.config.prefill_batch_size, self.max_concurrency),
+            prefill_step_size=self.config.prefill_step_size,
+        )
+        self._ids = itertools.count()
+        self._waiting: deque[Sequence] = deque()
+        self._running: dict[int, Sequence] = {}  # by BatchGenerator uid
+        self._finished: list[Output] = []
+        self._seed_base = 0
+        self.stats = EngineStats()
+        self._started = time.perf_counter()
+        self._last_sample = -TIMELINE_INTERVAL_S
+
+    @classmethod
+    def load(cls, model_path: str, config: EngineConfig | None = None) -> Engine:
+        from batchrun.models import load_model
+
+        loaded = load_model(model_path)
+        return cls(loaded.model, loaded.tokenizer, config, loaded.context_length)
+
+    # -- adding work ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: list[dict] | None = None,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
+        enable_thinking: bool | None = None,
+    ) -> int:
+        """Queue a request (token ids, a raw prompt, or chat messages); returns its id."""
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of prompt (text or token ids) and messages")
+        if messages is not None:
+            ids = self.prompts.encode_chat(messages, tools=tools, enable_thinking=enable_thinking,
+                                           chat_template_kwargs=chat_template_kwargs)
+        elif isinstance(prompt, str):
+            ids = self.prompts.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        return self.add_tokens(ids, params or SamplingParams())
+
+    def add_tokens(self, prompt: list[int], params: SamplingParams) -> int:
+        request_id = next(self._ids)
+        max_tokens = params.max_tokens
+        if self.context_length:
+            max_tokens = min(max_tokens, self.context_length - len(prompt))
+        stops = self._default_stops
+        if params.stop_token_ids:
+            stops = StopSequences([(t,) for t in (*self._eos, *params.stop_token_ids)])
+        seq = Sequence(
+            id=request_id, prompt=prompt, params=params, stop_sequences=stops,
+            detokenizer=self.tokenizer.detokenizer, max_tokens=max_tokens,
+            logprobs=[] if params.logprobs else None,
+            top_logprobs=[] if params.top_logprobs else None,
+        )
+        error = self._reject_reason(seq)
+        if error:
+            self._finished.append(self._output(seq, FinishReason.ERROR, error=error))
+        else:
+            self._waiting.append(seq)
+        return request_id
+
+    def _reject_reason(self, seq: Sequence) -> str | None:
+        if not seq.prompt:
+            return "the prompt is empty"
+        if self.context_length and len(seq.prompt) >= self.context_length:
+            return (f"the prompt has {len(seq.prompt)} tokens; the model's context is "
+                    f"{self.context_length}: shorten the prompt")
+        if not self.memory.fits_alone(seq.length):
+            return (f"prompt + max_tokens = {seq.length} tokens need "
+                    f"{self.memory.cost([seq.length]):,} bytes of KV cache; the budget is "
+                    f"{self.memory.budget:,}: lower max_tokens or raise the memory limit")
+        return None
+
+    def abort(self, request_id: int) -> bool:
+        """Stop a queued or running request; it finishes with reason `abort`."""
+        for seq in self._waiting:
+            if seq.id == request_id:
+                self._waiting.remove(seq)
+                self._finished.append(self._output(seq, FinishReason.ABORT))
+                return True
+        for uid, seq in self._running.items():
+            if seq.id == request_id:
+                self._finish(uid, FinishReason.ABORT)
+                return True
+        return False
+
+    # -- running -------------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running or self._finished)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def step(self) -> list[Output]:
+        """Admit what fits, run one decode step (and a prefill chunk); return finished outputs."""
+        self._admit()
+        if self._running:
+            _, responses = self._gen.next()
+            self._collect(responses)
+            self._account(len(responses))
+        finished, self._finished = self._finished, []
+        self.stats.requests_finished += len(finished)
+        return finished
+
+    def run(self) -> list[Output]:
+        """Step until every queued request has finished; outputs ordered by request id."""
+        outputs = []
+        while self.has_work():
+            outputs.extend(self.step())
+        return sorted(outputs, key=lambda o: o.request_id)
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None
+                 ) -> list[Output]:
+        for p in prompts:
+            self.add_request(p, params)
+        return self.run()
+
+    def _admit(self) -> None:
+        batch: list[Sequence] = []
+        while (self._waiting and len(self._running) + len(batch) < self.max_concurrency
+               and self.memory.fits(self._waiting[0].length)):
+            seq = self._waiting.popleft()
+            self.memory.add(seq.id, seq.length)
+            batch.append(seq)
+        if not batch:
+            return
+        uids = self._gen.insert(
+            [s.prompt for s in batch],
+            max_tokens=[s.max_tokens for s in batch],
+            samplers=[make_sampler(s.params, self._seed_base + s.id) for s in batch],
+            stop_sequences=[s.stop_sequences for s in batch],
+        )
+        now = time.perf_counter()
+        for uid, seq in zip(uids, batch, strict=True):
+            seq.uid, seq.admitted_at = uid, now
+            self._running[uid] = seq
+            self.stats.prompt_tokens += len(seq.prompt)
+
+    def _collect(self, responses: list) -> None:
+        now = time.perf_counter()
+        for r in responses:
+            seq = self._running.get(r.uid)
+            if seq is None:
+                continue
+            if seq.ttft is None:
+                seq.ttft = now - seq.admitted_at
+            if r.finish_reason == "stop" and r.token in self._stop_ids(seq):
+                self._finish(r.uid, FinishReason.STOP, removed=True)
+                continue
+            seq.tokens.append(r.token)
+            self._record_logprobs(seq, r)
+            seq.detokenizer.add_token(r.token)
+            if seq.params.stop and self._cut_at_stop(seq):
+                self._finish(r.uid, FinishReason.STOP, removed=r.finish_reason is not None)
+            elif r.finish_reason is not None:
+                reason = FinishReason.STOP if r.finish_reason == "stop" else FinishReason.LENGTH
+                self._finish(r.uid, reason, removed=True)
+
+    def _stop_ids(self, seq: Sequence) -> tuple[int, ...]:
+        return (*self._eos, *seq.params.stop_token_ids)
+
+    def _record_logprobs(self, seq: Sequence, r: Any) -> None:
+        if seq.logprobs is not None:
+            seq.logprobs.append(r.logprobs[r.token].item())
+        if seq.top_logprobs is not None:
+            k = seq.params.top_logprobs
+            top = mx.argpartition(-r.logprobs, kth=k - 1)[:k]
+            values = r.logprobs[top]
+            pairs = sorted(zip(top.tolist(), values.tolist(), strict=True), key=lambda p: -p[1])
+            seq.top_logprobs.append(pairs)
+
+    def _cut_at_stop(self, seq: Sequence) -> bool:
+        """Find the earliest stop string in the new text; cut the text before it."""
+        text = seq.detokenizer.text
+        hit = _find_stop(text, seq.params.stop, seq.stop_scan_from)
+        longest = max(len(s) for s in seq.params.stop)
+        seq.stop_scan_from = max(0, len(text) - longest + 1)
+        if hit is None:
+            return False
+        seq.cut_text = text[:hit]
+        return True
+
+    def _finish(self, uid: int, reason: FinishReason, removed: bool = False) -> None:
+        seq = self._running.pop(uid)
+        if not removed:
+            self._gen.remove([uid])
+        self.memory.remove(seq.id)
+        self._finished.append(self._output(seq, reason))
+
+    def _output(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> Output:
+        text = seq.cut_text
+        if text is None:
+            seq.detokenizer.finalize()
+            text = seq.detokenizer.text
+            # Text held back by the detokenizer may complete a stop string only now.
+            hit = _find_stop(text, seq.params.stop, seq.stop_scan_from)
+            if hit is not None:
+                text, reason = text[:hit], FinishReason.STOP
+        if seq.ttft is not None:
+            self.stats.ttfts.append(seq.ttft)
+        self.stats.completion_tokens += len(seq.tokens)
+        return Output(
+            request_id=seq.id, text=text, token_ids=seq.tokens, finish_reason=reason,
+            prompt_tokens=len(seq.prompt), logprobs=seq.logprobs, top_logprobs=seq.top_logprobs,
+            ttft_s=seq.ttft, error=error,
+        )
+
+    def _account(self, decoded: int) -> None:
+        counters = self._gen._counters  # mlx-lm's running totals (pinned version)
+        s = self.stats
+        s.prefill_time, s.decode_time = counters.prompt_time, counters.decode_time
+        if decoded:
+            s.decode_steps += 1
+            s.batch_size_sum += decoded
+        s.peak_memory_bytes = max(s.peak_memory_bytes, mx.get_peak_memory())
+        t = time.perf_counter() - self._started
+        if t - self._last_sample >= TIMELINE_INTERVAL_S:
+            self._last_sample = t
+            s.timeline.append((round(t, 3), s.prompt_tokens, s.completion_tokens + self._live_tokens(),
+                               len(self._running)))
+
+    def _live_tokens(self) -> int:
+        return sum(len(seq.tokens) for seq in self._running.values())
+
+    def close(self) -> None:
+        self._gen.close()
+
+
+def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:
+    if not stops:
+        return None
+    hits = [i for s in stops if (i := text.find(s, max(0, start))) >= 0]
+    return min(hits) if hits else None

@@ -1,0 +1,93 @@
+"""Memory budget: admit a sequence only while the batch's KV cache still fits.
+
+mlx-lm's batched KV cache holds every running sequence padded to the longest one, so a batch of
+B sequences whose longest needs L tokens costs about B * L * bytes_per_token. The budget is a
+fraction of device memory (MLX's recommended working set on Metal / CUDA, physical RAM on CPU)
+minus the weights; on Metal and CUDA MLX's own memory and cache limits are set to match.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+
+
+@dataclass(slots=True)
+class KVFootprint:
+    per_token: int  # bytes of KV cache per token of one sequence
+    per_sequence: int  # fixed bytes per sequence (recurrent states, rotating windows)
+
+
+def measure_kv(model: nn.Module) -> KVFootprint:
+    """Probe the model's cache with a one-token forward pass; works for any mlx-lm model."""
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    per_token = fixed = 0
+    for c in cache:
+        keys = getattr(c, "keys", None)
+        growing = keys is not None and not hasattr(c, "max_size")
+        if growing:
+            per_token += c.nbytes // keys.shape[-2]
+        else:
+            fixed += c.nbytes
+    return KVFootprint(per_token, fixed)
+
+
+def weights_bytes(model: nn.Module) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def device_memory_bytes() -> int:
+    """Memory MLX may use: the GPU's recommended working set, else physical RAM."""
+    info = mx.device_info()
+    for key in ("max_recommended_working_set_size", "memory_size", "total_memory"):
+        if info.get(key):
+            return int(info[key])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def kv_budget(model: nn.Module, utilization: float) -> int:
+    """Bytes available to KV caches; also caps MLX's allocator on GPUs."""
+    total = device_memory_bytes()
+    if mx.default_device() == mx.gpu:
+        mx.set_memory_limit(int(total * utilization))
+        mx.set_cache_limit(int(total * (1 - utilization)))
+    # Activations and allocator slack scale with the batch; keep a tenth of the rest for them.
+    return max(0, int((total * utilization - weights_bytes(model)) * 0.9))
+
+
+class MemoryBudget:
+    """Ask/do pair: `fits` before admitting, `add` / `remove` as sequences come and go."""
+
+    def __init__(self, footprint: KVFootprint, budget_bytes: int):
+        self.footprint = footprint
+        self.budget = budget_bytes
+        self._lengths: dict[int, int] = {}
+
+    def cost(self, lengths: list[int]) -> int:
+        if not lengths:
+            return 0
+        f = self.footprint
+        return len(lengths) * (max(lengths) * f.per_token + f.per_sequence)
+
+    def fits_alone(self, length: int) -> bool:
+        return self.cost([length]) <= self.budget
+
+    def fits(self, length: int) -> bool:
+        return self.cost([*self._lengths.values(), length]) <= self.budget
+
+    def add(self, request_id: int, length: int) -> None:
+        self._lengths[request_id] = length
+
+    def remove(self, request_id: int) -> None:
+        self._lengths.pop(request_id, None)
+
+    @property
+    def used(self) -> int:
+        return self.cost(list(self._lengths.values()))

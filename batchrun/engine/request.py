@@ -1,0 +1,140 @@
+"""Requests, sampling parameters and finished outputs: the engine's vocabulary.
+
+The engine speaks token ids and integer request ids; row ids, files and reports live above it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an end-of-sequence token, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context length reached
+    ABORT = "abort"  # aborted by the caller
+    ERROR = "error"  # the request could not be run (see Output.error)
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """Per-request sampling. Raises ValueError naming the field on a bad value."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+               "max_tokens", self.max_tokens, "an integer >= 1")
+        _check(_finite(self.temperature) and self.temperature >= 0,
+               "temperature", self.temperature, "a number >= 0")
+        _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "in (0, 1]")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
+               "an integer >= 0 (0 disables it)")
+        _check(_finite(self.min_p) and 0 <= self.min_p < 1, "min_p", self.min_p, "in [0, 1)")
+        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
+               "non-empty strings")
+        _check(isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= 20,
+               "top_logprobs", self.top_logprobs, "an integer in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check(ok: bool, name: str, value: object, expected: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+@dataclass(slots=True)
+class Output:
+    """A finished request."""
+
+    request_id: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    cached_tokens: int = 0
+    # Per generated token: the sampled token's logprob, and the top alternatives.
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    ttft_s: float | None = None
+    error: str | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Scheduling and memory knobs."""
+
+    max_concurrency: int | None = None  # None: as many as memory allows, capped at 256
+    prefill_batch_size: int = 8
+    prefill_step_size: int = 2048
+    # Fraction of device memory (RAM on CPU) that weights + KV caches may use.
+    memory_utilization: float = 0.85
+    # An absolute KV-cache budget in bytes; overrides memory_utilization when set.
+    kv_budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.max_concurrency is None or self.max_concurrency >= 1, "max_concurrency",
+               self.max_concurrency, "an integer >= 1")
+        _check(self.prefill_batch_size >= 1, "prefill_batch_size", self.prefill_batch_size, ">= 1")
+        _check(self.prefill_step_size >= 1, "prefill_step_size", self.prefill_step_size, ">= 1")
+        _check(0 < self.memory_utilization <= 1, "memory_utilization", self.memory_utilization,
+               "in (0, 1]")
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """What the engine did; timings in seconds, memory in bytes."""
+
+    requests_finished: int = 0
+    prompt_tokens: int = 0  # tokens of admitted prompts, cached ones included
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    decode_steps: int = 0
+    batch_size_sum: int = 0  # sum over decode steps of the running batch size
+    peak_memory_bytes: int = 0
+    ttfts: list[float] = field(default_factory=list)
+    # (seconds since start, prompt tokens, completion tokens, running sequences), sampled.
+    timeline: list[tuple[float, int, int, int]] = field(default_factory=list)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        computed = self.prompt_tokens - self.cached_tokens
+        return computed / self.prefill_time if self.prefill_time > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.completion_tokens / self.decode_time if self.decode_time > 0 else 0.0
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.batch_size_sum / self.decode_steps if self.decode_steps else 0.0
+
+    def ttft_quantile(self, q: float) -> float | None:
+        if not self.ttfts:
+            return None
+        values = sorted(self.ttfts)
+        return values[min(len(values) - 1, int(q * len(values)))]
