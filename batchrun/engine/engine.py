@@ -178,6 +178,11 @@ class Engine:
         return len(self._running)
 
     @property
+    def generated_tokens(self) -> int:
+        """Tokens generated so far, by finished and running requests."""
+        return self.stats.completion_tokens + self._live_tokens()
+
+    @property
     def num_waiting(self) -> int:
         return len(self._waiting)
 
@@ -306,7 +311,7 @@ class Engine:
         t = time.perf_counter() - self._started
         if t - self._last_sample >= TIMELINE_INTERVAL_S:
             self._last_sample = t
-            s.timeline.append((round(t, 3), s.prompt_tokens, s.completion_tokens + self._live_tokens(),
+            s.timeline.append((round(t, 3), s.prompt_tokens, self.generated_tokens,
                                len(self._running)))
 
     def _live_tokens(self) -> int:

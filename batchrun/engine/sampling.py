@@ -28,8 +28,8 @@ def make_sampler(params: SamplingParams, seed: int):
         filters.append(lambda x: apply_top_p(x, params.top_p))
     if params.min_p > 0:
         filters.append(lambda x: apply_min_p(x, params.min_p))
-    keys = mx.random.split(mx.random.key(params.seed if params.seed is not None else seed),
-                           params.max_tokens)
+    base = params.seed if params.seed is not None else seed
+    keys = mx.random.split(mx.random.key(base & 0xFFFF_FFFF_FFFF_FFFF), params.max_tokens)
     inv_temp = 1.0 / params.temperature
     step = 0
 

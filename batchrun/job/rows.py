@@ -1,0 +1,162 @@
+"""Turn an input row into a Task for the engine, or a RowError that names the row and field.
+
+Row shapes (SPEC.md): `prompt`; `messages` (+ `tools`, `chat_template_kwargs`); an OpenAI Batch
+API line (`custom_id`, `url`, `body`); or any columns with `--prompt-template`. Per-row sampling
+fields override the job's defaults. Row id: `custom_id`, else `id`, else `--id-column`, else the
+0-based row index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from batchrun.engine.prompt import PromptBuilder, PromptError
+from batchrun.engine.request import SamplingParams
+
+OPENAI_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                   "logprobs", "top_logprobs")
+
+
+@dataclass(slots=True)
+class RowOptions:
+    """How rows become prompts: the job's defaults and templating options."""
+
+    defaults: SamplingParams = field(default_factory=SamplingParams)
+    system: str | None = None
+    prompt_template: str | None = None
+    id_column: str | None = None
+
+
+@dataclass(slots=True)
+class Task:
+    index: int
+    line: int
+    custom_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    openai: str | None = None  # "chat" or "completion" for OpenAI batch rows
+    model: str | None = None  # the `body.model` of an OpenAI batch row
+
+
+@dataclass(slots=True)
+class RowError:
+    index: int
+    line: int
+    custom_id: str
+    code: str
+    message: str
+
+
+class RowRejected(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def row_id(value: Any, index: int, id_column: str | None) -> str:
+    if isinstance(value, dict):
+        for key in ("custom_id", "id", id_column):
+            if key and value.get(key) is not None:
+                return str(value[key])
+    return str(index)
+
+
+def build_task(raw_value: Any, index: int, line: int, prompts: PromptBuilder,
+               options: RowOptions) -> Task | RowError:
+    custom_id = row_id(raw_value, index, options.id_column)
+    try:
+        return _build(raw_value, index, line, custom_id, prompts, options)
+    except RowRejected as e:
+        return RowError(index, line, custom_id, e.code, str(e))
+    except PromptError as e:
+        return RowError(index, line, custom_id, "invalid_prompt", str(e))
+
+
+def _build(value: Any, index: int, line: int, custom_id: str, prompts: PromptBuilder,
+           options: RowOptions) -> Task:
+    if not isinstance(value, dict):
+        raise RowRejected("invalid_row", f"the row must be a JSON object, got {_kind(value)}")
+    openai = None
+    body = value
+    if "body" in value or "url" in value:
+        url = value.get("url")
+        openai = OPENAI_URLS.get(url)
+        if openai is None:
+            raise RowRejected("unsupported_url", f"url must be one of {', '.join(OPENAI_URLS)}, "
+                                                 f"got {url!r}")
+        body = value.get("body")
+        if not isinstance(body, dict):
+            raise RowRejected("invalid_row", "body must be an object")
+    params = sampling_params(body, options.defaults)
+    ids = _prompt_ids(body, openai, prompts, options)
+    model = body.get("model") if openai else None
+    return Task(index, line, custom_id, ids, params, openai, model)
+
+
+def _prompt_ids(body: dict, openai: str | None, prompts: PromptBuilder,
+                options: RowOptions) -> list[int]:
+    if openai == "completion" or (openai is None and "prompt" in body):
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise RowRejected("invalid_prompt", "prompt must be a string")
+        if not prompt:
+            raise RowRejected("invalid_prompt", "prompt is empty")
+        return prompts.encode(prompt)
+    if "messages" in body:
+        messages = body["messages"]
+    elif options.prompt_template is not None and openai is None:
+        messages = [{"role": "user", "content": _fill(options.prompt_template, body)}]
+    else:
+        raise RowRejected("missing_prompt", "the row has no 'prompt' or 'messages' field "
+                                            "(or pass --prompt-template to build one from columns)")
+    if options.system and isinstance(messages, list) and not _has_system(messages):
+        messages = [{"role": "system", "content": options.system}, *messages]
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise RowRejected("invalid_field", "chat_template_kwargs must be an object")
+    return prompts.encode_chat(messages, tools=body.get("tools"), chat_template_kwargs=kwargs)
+
+
+def _fill(template: str, row: dict) -> str:
+    try:
+        return template.format_map(row)
+    except KeyError as e:
+        raise RowRejected("missing_column", f"--prompt-template needs column {e.args[0]!r}, "
+                                            "which this row lacks") from None
+    except (ValueError, IndexError) as e:
+        raise RowRejected("invalid_template", f"--prompt-template: {e}") from None
+
+
+def _has_system(messages: list) -> bool:
+    return bool(messages) and isinstance(messages[0], dict) and messages[0].get("role") == "system"
+
+
+def sampling_params(body: dict, defaults: SamplingParams) -> SamplingParams:
+    """The job's defaults overridden by the row's own sampling fields."""
+    overrides: dict[str, Any] = {}
+    if "max_completion_tokens" in body and "max_tokens" not in body:
+        overrides["max_tokens"] = body["max_completion_tokens"]
+    for name in SAMPLING_FIELDS:
+        if name in body and body[name] is not None:
+            overrides[name] = body[name]
+    if "stop" in overrides:
+        stop = overrides["stop"]
+        overrides["stop"] = (stop,) if isinstance(stop, str) else tuple(stop) \
+            if isinstance(stop, list) else stop
+    if isinstance(overrides.get("top_logprobs"), int) and overrides["top_logprobs"] > 0:
+        overrides["logprobs"] = True
+    if overrides.get("logprobs") is not None and not isinstance(overrides["logprobs"], bool):
+        raise RowRejected("invalid_field", f"logprobs must be true or false, "
+                                           f"got {overrides['logprobs']!r}")
+    try:
+        return dataclasses.replace(defaults, **overrides)
+    except (ValueError, TypeError) as e:
+        raise RowRejected("invalid_sampling", str(e)) from None
+
+
+def _kind(value: Any) -> str:
+    return {type(None): "null", list: "a list", str: "a string", bool: "a boolean",
+            int: "a number", float: "a number"}.get(type(value), type(value).__name__)
