@@ -1,0 +1,36 @@
+"""The bundled demo model is reproducible from its script and loads like a real model."""
+
+import hashlib
+import json
+
+from batchrun.models import DEMO_MODEL, resolve
+from batchrun.models.build import build
+
+
+def digest(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_build_script_reproduces_the_bundled_files(tmp_path):
+    out = build(tmp_path / "demo")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+        assert digest(out / name) == digest(DEMO_MODEL / name), name
+
+
+def test_demo_model_shape(demo):
+    config = json.loads((DEMO_MODEL / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["torch_dtype"] == "float32"
+    assert config["max_position_embeddings"] == 8192 == demo.context_length
+    assert config["vocab_size"] == len(demo.tokenizer._tokenizer)
+    size = (DEMO_MODEL / "model.safetensors").stat().st_size
+    assert 1e6 < size < 10e6
+    assert demo.tokenizer.has_thinking and demo.tokenizer.has_tool_calling
+    assert resolve(None) == resolve("demo") == str(DEMO_MODEL)
+
+
+def test_the_demo_model_output_depends_on_the_input(demo):
+    from mlx_lm import generate
+
+    a = generate(demo.model, demo.tokenizer, "Explain recursion", max_tokens=8)
+    b = generate(demo.model, demo.tokenizer, "My new kettle", max_tokens=8)
+    assert a != b
