@@ -91,6 +91,10 @@ def _build(value: Any, index: int, line: int, custom_id: str, prompts: PromptBui
         if not isinstance(body, dict):
             raise RowRejected("invalid_row", "body must be an object")
     params = sampling_params(body, options.defaults)
+    if params.seed is None and not params.greedy:
+        # A seed from the row's position: the same row samples the same text on every run,
+        # resumed or not, whatever else shares its batch.
+        params = dataclasses.replace(params, seed=row_seed(index))
     ids = _prompt_ids(body, openai, prompts, options)
     model = body.get("model") if openai else None
     return Task(index, line, custom_id, ids, params, openai, model)
@@ -132,6 +136,10 @@ def _fill(template: str, row: dict) -> str:
 
 def _has_system(messages: list) -> bool:
     return bool(messages) and isinstance(messages[0], dict) and messages[0].get("role") == "system"
+
+
+def row_seed(index: int, base: int = 0) -> int:
+    return (base * 1_000_003 + index * 7919 + 17) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 def sampling_params(body: dict, defaults: SamplingParams) -> SamplingParams:

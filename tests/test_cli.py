@@ -1,0 +1,85 @@
+"""`batchrun run` end to end on the bundled sample data and demo model."""
+
+import shutil
+from pathlib import Path
+
+import orjson
+from click.testing import CliRunner
+
+from batchrun.cli import cli
+
+SAMPLE = Path(__file__).resolve().parents[1] / "sample_data" / "prompts.jsonl"
+
+
+def read_jsonl(path):
+    return [orjson.loads(line) for line in Path(path).read_bytes().splitlines() if line]
+
+
+def run(*args):
+    result = CliRunner().invoke(cli, ["run", *map(str, args), "--quiet"])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def test_sample_prompts_give_one_ordered_result_per_row(tmp_path):
+    result = run(SAMPLE, "--job-dir", tmp_path / "job", "--max-concurrency", "16")
+    rows = read_jsonl(SAMPLE)
+    results = read_jsonl(tmp_path / "job" / "results.jsonl")
+    assert [r["index"] for r in results] == list(range(len(rows)))
+    assert [r["custom_id"] for r in results] == [row["custom_id"] for row in rows]
+    for row, res in zip(rows, results, strict=True):
+        assert set(res) == {"custom_id", "index", "text", "finish_reason", "usage"}
+        assert res["finish_reason"] in ("stop", "length")
+        assert res["usage"]["completion_tokens"] <= row["max_tokens"]
+        assert res["usage"]["prompt_tokens"] > 0 and res["usage"]["cached_tokens"] == 0
+    assert "BLAS:" in result.output and "device: cpu" in result.output
+    assert f"done: {len(rows)} rows, 0 failed" in result.output
+
+
+def test_results_do_not_depend_on_concurrency(tmp_path):
+    run(SAMPLE, "--job-dir", tmp_path / "a", "--max-concurrency", "1")
+    run(SAMPLE, "--job-dir", tmp_path / "b", "--max-concurrency", "32")
+    a = read_jsonl(tmp_path / "a" / "results.jsonl")
+    b = read_jsonl(tmp_path / "b" / "results.jsonl")
+    assert [r["text"] for r in a] == [r["text"] for r in b]  # seeded rows included
+
+
+def test_bad_rows_become_error_records_and_the_job_goes_on(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('{"prompt": "hello", "custom_id": "ok1"}\n'
+                    '{"prompt": "x", "top_p": 7, "custom_id": "bad"}\n'
+                    'not json\n'
+                    '{"messages": [{"role": "user", "content": "hi"}], "custom_id": "ok2"}\n')
+    result = run(path, "--job-dir", tmp_path / "job", "--max-tokens", "5")
+    results = read_jsonl(tmp_path / "job" / "results.jsonl")
+    errors = read_jsonl(tmp_path / "job" / "errors.jsonl")
+    assert [r["custom_id"] for r in results] == ["ok1", "ok2"]
+    assert [(e["custom_id"], e["line"]) for e in errors] == [("bad", 2), ("2", 3)]
+    assert "top_p" in errors[0]["error"]["message"]
+    assert errors[1]["error"]["code"] == "invalid_json"
+    assert "2 rows, 2 failed" in result.output
+
+
+def test_default_job_dir_and_output_option(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(SAMPLE, tmp_path / "mine.jsonl")
+    run("mine.jsonl", "--max-tokens", "3")
+    assert len(read_jsonl(tmp_path / "jobs" / "mine" / "results.jsonl")) == 64
+    run("mine.jsonl", "--max-tokens", "3", "-o", "out.jsonl", "--job-dir", "j2")
+    assert len(read_jsonl(tmp_path / "out.jsonl")) == 64
+
+
+def test_missing_input_is_a_short_error(tmp_path):
+    result = CliRunner().invoke(cli, ["run", str(tmp_path / "nope.jsonl")])
+    assert result.exit_code == 1
+    assert "input file not found" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_python_dash_m_batchrun_works():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "batchrun", "--version"], capture_output=True,
+                         text=True, check=True)
+    assert "batchrun" in out.stdout

@@ -1,0 +1,117 @@
+"""Row shapes become engine tasks; bad rows become errors naming the field."""
+
+import pytest
+
+from batchrun.engine.prompt import PromptBuilder
+from batchrun.engine.request import SamplingParams
+from batchrun.io.jsonl import read_jsonl
+from batchrun.io.results import OrderedWriter
+from batchrun.job.rows import RowError, RowOptions, Task, build_task
+
+
+@pytest.fixture
+def prompts(demo):
+    return PromptBuilder(demo.tokenizer)
+
+
+def task(value, prompts, **options):
+    return build_task(value, 3, 4, prompts, RowOptions(**options))
+
+
+def test_prompt_row_uses_raw_text(prompts, demo):
+    t = task({"prompt": "hello there", "max_tokens": 7, "temperature": 0.5, "seed": 3}, prompts)
+    assert isinstance(t, Task)
+    assert t.prompt_ids == demo.tokenizer.encode("hello there")
+    assert (t.params.max_tokens, t.params.temperature, t.params.seed) == (7, 0.5, 3)
+    assert t.custom_id == "3"  # the 0-based row index when the row has no id
+
+
+def test_row_ids_prefer_custom_id_then_id_then_column(prompts):
+    assert task({"prompt": "a", "custom_id": "c", "id": "i"}, prompts).custom_id == "c"
+    assert task({"prompt": "a", "id": 17}, prompts).custom_id == "17"
+    assert task({"prompt": "a", "key": "k1"}, prompts, id_column="key").custom_id == "k1"
+
+
+def test_messages_row_renders_chat_template_with_system(prompts):
+    t = task({"messages": [{"role": "user", "content": "hi"}]}, prompts, system="Be kind.")
+    expected = prompts.encode_chat([{"role": "system", "content": "Be kind."},
+                                    {"role": "user", "content": "hi"}])
+    assert t.prompt_ids == expected
+
+
+def test_prompt_template_fills_columns(prompts):
+    t = task({"review": "great kettle", "stars": 5}, prompts,
+             prompt_template="Classify: {review} ({stars})")
+    assert t.prompt_ids == prompts.encode_chat([{"role": "user",
+                                                 "content": "Classify: great kettle (5)"}])
+    err = task({"text": "x"}, prompts, prompt_template="Classify: {review}")
+    assert isinstance(err, RowError) and "review" in err.message
+
+
+def test_openai_batch_lines(prompts):
+    chat = task({"custom_id": "req-1", "method": "POST", "url": "/v1/chat/completions",
+                 "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                          "max_completion_tokens": 9, "stop": "x"}}, prompts)
+    assert chat.openai == "chat" and chat.custom_id == "req-1"
+    assert chat.params.max_tokens == 9 and chat.params.stop == ("x",)
+    completion = task({"custom_id": "req-2", "url": "/v1/completions",
+                       "body": {"prompt": "Once"}}, prompts)
+    assert completion.openai == "completion"
+    bad = task({"custom_id": "req-3", "url": "/v1/embeddings", "body": {}}, prompts)
+    assert isinstance(bad, RowError) and bad.code == "unsupported_url"
+
+
+def test_row_fields_override_defaults(prompts):
+    defaults = SamplingParams(max_tokens=50, temperature=0.3, stop=("END",))
+    t = task({"prompt": "a", "temperature": 0}, prompts, defaults=defaults)
+    assert (t.params.max_tokens, t.params.temperature, t.params.stop) == (50, 0, ("END",))
+
+
+@pytest.mark.parametrize("row, field", [
+    ({"prompt": "a", "top_p": 1.5}, "top_p"),
+    ({"prompt": "a", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "a", "temperature": -0.1}, "temperature"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"text": "no prompt"}, "prompt"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
+    ([1, 2], "object"),
+    (None, "object"),
+])
+def test_bad_rows_name_the_problem(prompts, row, field):
+    err = task(row, prompts)
+    assert isinstance(err, RowError)
+    assert field in err.message
+    assert (err.index, err.line) == (3, 4)
+
+
+def test_jsonl_reader_numbers_lines_and_skips_blank_ones(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\n\n  \n{bad json\n"str"\n\xff\xfe\n')
+    rows = list(read_jsonl(path))
+    assert [(r.index, r.line) for r in rows] == [(0, 1), (1, 4), (2, 5), (3, 6)]
+    assert rows[0].value == {"prompt": "a"} and rows[2].value == "str"
+    assert "not valid JSON" in rows[1].error
+    assert "UTF-8" in rows[3].error
+
+
+def test_ordered_writer_holds_out_of_order_records_until_the_gap_fills(tmp_path):
+    path = tmp_path / "out.jsonl"
+    w = OrderedWriter(path)
+    w.put(2, b"c\n")
+    w.put(1, b"b\n")
+    assert path.read_bytes() == b"" and w.held == 2
+    w.skip(0)
+    w.flush()
+    assert path.read_bytes() == b"b\nc\n" and w.held == 0
+    with pytest.raises(ValueError):
+        w.put(1, b"again\n")
+    w.close()
+
+
+def test_sampled_rows_without_a_seed_get_one_from_their_position(prompts):
+    a = build_task({"prompt": "a", "temperature": 1.0}, 5, 6, prompts, RowOptions())
+    b = build_task({"prompt": "a", "temperature": 1.0}, 5, 6, prompts, RowOptions())
+    c = build_task({"prompt": "a", "temperature": 1.0}, 6, 7, prompts, RowOptions())
+    assert a.params.seed == b.params.seed != c.params.seed
+    assert task({"prompt": "a"}, prompts).params.seed is None  # greedy needs none
