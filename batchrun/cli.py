@@ -39,7 +39,7 @@ def cli() -> None:
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--min-p", type=click.FloatRange(0, 1, max_open=True), default=0.0,
               show_default=True)
-@click.option("--seed", type=int, default=None, help="default seed for sampled rows")
+@click.option("--seed", type=int, default=None, help="base seed: a sampled row without its own seed gets one from this and its position")
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--system", default=None, help="system message prepended to chat rows")
 @click.option("--prompt-template", default=None,

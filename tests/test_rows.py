@@ -115,3 +115,9 @@ def test_sampled_rows_without_a_seed_get_one_from_their_position(prompts):
     c = build_task({"prompt": "a", "temperature": 1.0}, 6, 7, prompts, RowOptions())
     assert a.params.seed == b.params.seed != c.params.seed
     assert task({"prompt": "a"}, prompts).params.seed is None  # greedy needs none
+    base = RowOptions(defaults=SamplingParams(temperature=1.0, seed=42))
+    d = build_task({"prompt": "a"}, 5, 6, prompts, base)
+    e = build_task({"prompt": "a"}, 6, 7, prompts, base)
+    assert len({a.params.seed, d.params.seed, e.params.seed}) == 3
+    own = build_task({"prompt": "a", "seed": 7}, 5, 6, prompts, base)
+    assert own.params.seed == 7

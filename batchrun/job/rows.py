@@ -91,10 +91,10 @@ def _build(value: Any, index: int, line: int, custom_id: str, prompts: PromptBui
         if not isinstance(body, dict):
             raise RowRejected("invalid_row", "body must be an object")
     params = sampling_params(body, options.defaults)
-    if params.seed is None and not params.greedy:
-        # A seed from the row's position: the same row samples the same text on every run,
-        # resumed or not, whatever else shares its batch.
-        params = dataclasses.replace(params, seed=row_seed(index))
+    if body.get("seed") is None and not params.greedy:
+        # A seed from the job's base seed and the row's position: the same row samples the
+        # same text on every run, resumed or not, whatever else shares its batch.
+        params = dataclasses.replace(params, seed=row_seed(index, options.defaults.seed or 0))
     ids = _prompt_ids(body, openai, prompts, options)
     model = body.get("model") if openai else None
     return Task(index, line, custom_id, ids, params, openai, model)
