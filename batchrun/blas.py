@@ -70,9 +70,8 @@ def activate() -> BlasInfo:
     elif os.environ.get("BATCHRUN_BLAS", "").lower() == "reference":
         _info = BlasInfo("reference BLAS", "bundled", note="BATCHRUN_BLAS=reference")
     elif "mlx.core" in sys.modules:
-        _info = BlasInfo(
-            "reference BLAS", "bundled", note="mlx was imported before batchrun; import batchrun first"
-        )
+        _info = BlasInfo("reference BLAS", "bundled",
+                         note="mlx was imported before batchrun; import batchrun first")
     else:
         _info = _load_scipy_openblas() or _load_system_openblas() or BlasInfo(
             "reference BLAS",
@@ -103,7 +102,8 @@ def _load_scipy_openblas() -> BlasInfo | None:
     _shim = shim
     openblas.scipy_openblas_get_config.restype = ctypes.c_char_p
     config = openblas.scipy_openblas_get_config().decode()
-    return BlasInfo(_short_config(config), "scipy-openblas32", openblas.scipy_openblas_get_num_threads())
+    threads = openblas.scipy_openblas_get_num_threads()
+    return BlasInfo(_short_config(config), "scipy-openblas32", threads)
 
 
 def _load_system_openblas() -> BlasInfo | None:

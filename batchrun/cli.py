@@ -1,15 +1,28 @@
-"""The `batchrun` command line: a thin layer over the job runner."""
+"""The `batchrun` command line: a thin layer over the job runner.
+
+Exit codes: 0 every row has a result or an error record; 1 a fatal error (progress kept);
+2 a usage error; 130 interrupted by Ctrl-C (progress kept).
+"""
 
 from __future__ import annotations
 
 import os
 import sys
+import tomllib
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 import batchrun
 from batchrun.engine.request import EngineConfig, SamplingParams
+
+# Job-file keys (TOML) and the `run` parameters they set; paths are relative to the job file.
+JOB_FILE_KEYS = ("input", "model", "output", "job_dir", "max_concurrency", "max_tokens",
+                 "temperature", "top_p", "top_k", "min_p", "seed", "stop", "system",
+                 "prompt_template", "id_column", "memory_utilization", "prefill_batch_size",
+                 "prefill_step_size")
+JOB_FILE_PATHS = ("input", "output", "job_dir")
 
 
 def _fail(message: str, hint: str | None = None) -> click.ClickException:
@@ -27,7 +40,8 @@ def cli() -> None:
 @click.option("--model", default=None, help="mlx-lm model folder or Hugging Face id "
               "[default: the bundled demo model]")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
-              help="results file [default: <job-dir>/results.jsonl]")
+              help="results file; a .parquet suffix writes Parquet "
+                   "[default: <job-dir>/results.jsonl]")
 @click.option("--job-dir", type=click.Path(path_type=Path), default=None,
               help="job state folder [default: jobs/<input file stem>]")
 @click.option("--max-concurrency", type=click.IntRange(min=1), default=None,
@@ -39,7 +53,9 @@ def cli() -> None:
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--min-p", type=click.FloatRange(0, 1, max_open=True), default=0.0,
               show_default=True)
-@click.option("--seed", type=int, default=None, help="base seed: a sampled row without its own seed gets one from this and its position")
+@click.option("--seed", type=int, default=None,
+              help="base seed: a sampled row without its own seed gets one from this and its "
+                   "position")
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--system", default=None, help="system message prepended to chat rows")
 @click.option("--prompt-template", default=None,
@@ -49,40 +65,204 @@ def cli() -> None:
               show_default=True, help="fraction of device memory for weights + KV caches")
 @click.option("--prefill-batch-size", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--prefill-step-size", type=click.IntRange(min=1), default=2048, show_default=True)
+@click.option("--restart", is_flag=True, help="discard earlier progress of this job")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @click.option("--debug", is_flag=True, help="show tracebacks")
-def run(input_path: Path, model: str | None, output: Path | None, job_dir: Path | None,
-        max_concurrency: int | None, max_tokens: int, temperature: float, top_p: float,
-        top_k: int, min_p: float, seed: int | None, stop: tuple[str, ...], system: str | None,
-        prompt_template: str | None, id_column: str | None, memory_utilization: float,
-        prefill_batch_size: int, prefill_step_size: int, quiet: bool, debug: bool) -> None:
-    """Process a .jsonl / .jsonl.gz file of prompts."""
-    from batchrun.job.rows import RowOptions
-    from batchrun.job.runner import JobPaths, JobRunner
+@click.pass_context
+def run(ctx: click.Context, input_path: Path, **opts) -> None:
+    """Process a .jsonl / .jsonl.gz / .parquet file, or a job file (.toml).
 
+    Re-running the same command resumes the job where it stopped.
+    """
+    from batchrun.job.rows import RowOptions
+    from batchrun.job.runner import (
+        Interrupted,
+        JobError,
+        JobRunner,
+        JobSpec,
+        default_job_dir,
+    )
+
+    job_file = None
+    if input_path.suffix == ".toml":
+        job_file = input_path
+        opts = _merge_job_file(ctx, input_path, opts)
+        input_path = opts.pop("input")
     if not input_path.is_file():
         raise _fail(f"input file not found: {input_path}")
-    defaults = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                              top_k=top_k, min_p=min_p, seed=seed, stop=stop)
-    config = EngineConfig(max_concurrency=max_concurrency, prefill_batch_size=prefill_batch_size,
-                          prefill_step_size=prefill_step_size,
-                          memory_utilization=memory_utilization)
-    engine = _load_engine(model, config, debug)
-    click.echo(describe_runtime(engine, model), err=True)
-    paths = JobPaths.for_input(input_path, job_dir, output)
-    runner = JobRunner(engine, input_path, paths,
-                       RowOptions(defaults, system, prompt_template, id_column), quiet=quiet)
-    summary = runner.run()
-    stats = engine.stats
-    wall = max(summary.wall_s, 1e-9)
-    click.echo(
-        f"done: {summary.rows_done} rows, {summary.rows_failed} failed, "
-        f"{summary.completion_tokens:,} tokens in {summary.wall_s:.1f}s "
-        f"({summary.completion_tokens / wall:,.0f} tok/s, {summary.rows_done / wall:.1f} rows/s, "
-        f"mean batch {stats.mean_batch_size:.1f})\n"
-        f"results: {paths.output}" + (f"\nerrors:  {paths.errors}" if summary.rows_failed else ""),
-        err=True,
-    )
+    if opts["prompt_template"] is not None and not opts["prompt_template"].strip():
+        raise click.BadParameter("must not be empty", param_hint="--prompt-template")
+    debug = opts["debug"]
+    try:
+        defaults = SamplingParams(
+            max_tokens=opts["max_tokens"], temperature=opts["temperature"],
+            top_p=opts["top_p"], top_k=opts["top_k"], min_p=opts["min_p"], seed=opts["seed"],
+            stop=tuple(opts["stop"]))
+        config = EngineConfig(max_concurrency=opts["max_concurrency"],
+                              prefill_batch_size=opts["prefill_batch_size"],
+                              prefill_step_size=opts["prefill_step_size"],
+                              memory_utilization=opts["memory_utilization"])
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    job_dir = opts["job_dir"] or (job_file.parent / job_file.stem if job_file
+                                  else default_job_dir(input_path))
+    output = opts["output"] or job_dir / "results.jsonl"
+    spec = JobSpec(input_path, job_dir, output, opts["model"],
+                   RowOptions(defaults, opts["system"], opts["prompt_template"],
+                              opts["id_column"]),
+                   restart=opts["restart"], quiet=opts["quiet"])
+
+    engine = _load_engine(opts["model"], config, debug)
+    click.echo(describe_runtime(engine, opts["model"]), err=True)
+    from batchrun.job import report as rp
+
+    runner = JobRunner(engine, spec, opts["model"] or "demo", engine.model_path,
+                       _device_name())
+    resume = f"batchrun run {' '.join(_quote(a) for a in sys.argv[2:])}".strip()
+    try:
+        report = runner.run()
+    except Interrupted:
+        click.echo(rp.summary_text(runner.report), err=True)
+        click.echo(f"interrupted: progress is saved in {job_dir}\n  resume with: {resume}",
+                   err=True)
+        ctx.exit(130)
+    except JobError as e:
+        raise _fail(str(e)) from None
+    except OSError as e:
+        if debug:
+            raise
+        raise _fail(f"{e.strerror or e}: {e.filename or ''}".rstrip(": "),
+                    f"progress is saved; fix the problem and resume with: {resume}") from e
+    click.echo(rp.summary_text(report), err=True)
+    if runner.deduplicated:
+        click.echo(f"identical rows computed once: {runner.deduplicated:,} reused", err=True)
+    click.echo(f"results:    {spec.output}", err=True)
+    if report["rows_failed"]:
+        click.echo(f"errors:     {spec.errors_path}", err=True)
+    click.echo(f"report:     {job_dir / 'report.html'}", err=True)
+
+
+def _quote(arg: str) -> str:
+    import shlex
+
+    return shlex.quote(arg)
+
+
+def _merge_job_file(ctx: click.Context, path: Path, opts: dict) -> dict:
+    """Job-file values for the options not given on the command line."""
+    if not path.is_file():
+        raise _fail(f"job file not found: {path}")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise _fail(f"{path} is not valid TOML: {e}") from None
+    unknown = sorted(set(data) - set(JOB_FILE_KEYS))
+    if unknown:
+        raise click.UsageError(f"{path}: unknown keys {', '.join(unknown)}; known: "
+                               f"{', '.join(JOB_FILE_KEYS)}")
+    if "input" not in data:
+        raise click.UsageError(f"{path}: the job file needs an 'input' key")
+    merged = dict(opts)
+    for key, value in data.items():
+        if key != "input" and ctx.get_parameter_source(key) is ParameterSource.COMMANDLINE:
+            continue  # the command line wins
+        if key in JOB_FILE_PATHS:
+            value = path.parent / value
+        elif key == "model" and (path.parent / value).exists():
+            value = str(path.parent / value)
+        elif key == "stop" and isinstance(value, str):
+            value = (value,)
+        merged[key] = value
+    return merged
+
+
+@cli.command()
+@click.argument("job_dir", type=click.Path(path_type=Path, file_okay=False))
+def status(job_dir: Path) -> None:
+    """Rows done / failed / pending and throughput so far (also while the job runs)."""
+    from batchrun.job.report import summary_text
+    from batchrun.job.state import JobLock, read_json
+
+    report = read_json(job_dir / "report.json")
+    manifest = read_json(job_dir / "job.json")
+    if manifest is None:
+        raise _fail(f"{job_dir} is not a batchrun job folder (no job.json)")
+    lock = JobLock(job_dir)
+    running = not lock.acquire()
+    if not running:
+        lock.release()
+    state = "running (pid " + lock.holder() + ")" if running else "not running"
+    click.echo(f"job:        {job_dir} — {state}\ninput:      {manifest['input']['path']}\n"
+               f"model:      {manifest['model']['name']}")
+    if report is None:
+        click.echo("no progress recorded yet")
+        return
+    click.echo(summary_text(report))
+
+
+@cli.command()
+@click.argument("job_dir", type=click.Path(path_type=Path, file_okay=False))
+def report(job_dir: Path) -> None:
+    """Print the job's report; rewrite report.json and report.html."""
+    from batchrun.job import report as rp
+    from batchrun.job.state import Progress, read_json
+
+    manifest = read_json(job_dir / "job.json")
+    saved = read_json(job_dir / "report.json")
+    if manifest is None or saved is None:
+        raise _fail(f"{job_dir} has no report yet", "run the job first: batchrun run INPUT")
+    progress = Progress(**(read_json(job_dir / "state.json") or {}))
+    fresh = rp.build_report(manifest, progress, saved["rows_total"], saved["runs"],
+                            saved["device"])
+    rp.write_report(job_dir, fresh)
+    click.echo(rp.summary_text(fresh))
+    click.echo(f"report:     {job_dir / 'report.html'}")
+
+
+@cli.command()
+@click.option("--model", default=None, help="mlx-lm model folder or Hugging Face id")
+@click.option("--shape", default=None, help="random-weight model of a named shape: "
+              "demo, 150m, llama-1b (built once into the cache folder)")
+@click.option("--workload", type=click.Choice(["mixed", "short"]), default="mixed",
+              show_default=True)
+@click.option("--rows", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--max-concurrency", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--systems", default="sequential,batch_generate,batchrun", show_default=True,
+              help="comma-separated: sequential, batch_generate, batchrun")
+@click.option("--json", "json_out", type=click.Path(path_type=Path), default=None,
+              help="also write the figures to this JSON file")
+def bench(model: str | None, shape: str | None, workload: str, rows: int, max_tokens: int,
+          max_concurrency: int, systems: str, json_out: Path | None) -> None:
+    """Side-by-side throughput: sequential mlx-lm, batch_generate and batchrun."""
+    import orjson
+
+    from batchrun import bench as b
+
+    names = [s.strip() for s in systems.split(",") if s.strip()]
+    unknown = set(names) - set(b.SYSTEMS)
+    if unknown:
+        raise click.BadParameter(f"unknown systems: {', '.join(sorted(unknown))}",
+                                 param_hint="--systems")
+    lm = b.model_for(model, shape, cache_dir())
+    w = b.make_workload(lm.tokenizer, workload, rows, max_tokens)
+    info = b.machine()
+    click.echo(f"{info['date']} · {info['device']} {info['device_name']} · {info['cpus']} cpus · "
+               f"BLAS {info['blas']}\nmodel {shape or model or 'demo'}: {w.name} workload, "
+               f"{rows} rows, {w.prompt_tokens:,} prompt tokens, {max_tokens} new tokens each, "
+               f"concurrency {max_concurrency}")
+    results = b.benchmark(lm, w, names, max_concurrency)
+    click.echo(b.table(results))
+    if json_out:
+        json_out.write_bytes(orjson.dumps({"machine": info, "model": shape or model or "demo",
+                                           "workload": w.name, "rows": rows,
+                                           "max_tokens": max_tokens,
+                                           "results": b.as_dict(results)},
+                                          option=orjson.OPT_INDENT_2))
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("BATCHRUN_CACHE_DIR") or Path.home() / ".cache" / "batchrun")
 
 
 def _load_engine(model: str | None, config: EngineConfig, debug: bool):
@@ -93,21 +273,27 @@ def _load_engine(model: str | None, config: EngineConfig, debug: bool):
     except Exception as e:
         if debug:
             raise
-        raise _fail(f"could not load model {model!r}: {e}",
+        raise _fail(f"could not load model {model or 'demo'!r}: {e}",
                     "pass an mlx-lm model folder or a Hugging Face id with --model") from e
+
+
+def _device_name() -> str:
+    import mlx.core as mx
+
+    device = mx.default_device()
+    return f"{device.type.name} ({mx.device_info().get('device_name', '')})"
 
 
 def describe_runtime(engine, model: str | None) -> str:
     import mlx.core as mx
 
     from batchrun import blas
-    from batchrun.models import resolve
 
     device = mx.default_device()
-    name = mx.device_info().get("device_name", "")
-    where = f"{device.type.name}" + (f" ({name}, {os.cpu_count()} cores)"
-                                    if device == mx.cpu else f" ({name})")
-    lines = [f"model:  {model or 'demo'} ({resolve(model)})", f"device: {where}"]
+    where = _device_name()
+    if device == mx.cpu:
+        where = where[:-1] + f", {os.cpu_count()} cores)"
+    lines = [f"model:  {model or 'demo'} ({engine.model_path})", f"device: {where}"]
     if device == mx.cpu:
         lines.append(f"BLAS:   {blas.verify().describe()}")
     lines.append(f"batch:  up to {engine.max_concurrency} sequences, KV budget "

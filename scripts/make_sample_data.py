@@ -54,7 +54,28 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
+def write_reviews_parquet(path: Path, rows: list[dict]) -> None:
+    """The reviews with typed columns: a labeling job's typical input."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = random.Random(3)
+    table = pa.table({
+        "id": [r["id"] for r in rows],
+        "product": [r["product"] for r in rows],
+        "review": [r["review"] for r in rows],
+        "rating": pa.array([r["rating"] for r in rows], pa.int8()),
+        "verified": [rng.random() < 0.8 for _ in rows],
+        "price": [round(rng.uniform(5, 300), 2) for _ in rows],
+        "tags": [rng.sample(["gift", "sale", "return", "repeat"], rng.randint(0, 2))
+                 for _ in rows],
+    })
+    pq.write_table(table, path)
+
+
 if __name__ == "__main__":
     write_jsonl(OUT / "prompts.jsonl", prompts(random.Random(1)))
-    write_jsonl(OUT / "reviews.jsonl", reviews(random.Random(2)))
+    review_rows = reviews(random.Random(2))
+    write_jsonl(OUT / "reviews.jsonl", review_rows)
+    write_reviews_parquet(OUT / "reviews.parquet", review_rows)
     print(OUT)

@@ -33,7 +33,7 @@ def test_sample_prompts_give_one_ordered_result_per_row(tmp_path):
         assert res["usage"]["completion_tokens"] <= row["max_tokens"]
         assert res["usage"]["prompt_tokens"] > 0 and res["usage"]["cached_tokens"] == 0
     assert "BLAS:" in result.output and "device: cpu" in result.output
-    assert f"done: {len(rows)} rows, 0 failed" in result.output
+    assert f"{len(rows)} done, 0 failed" in result.output
 
 
 def test_results_do_not_depend_on_concurrency(tmp_path):
@@ -57,7 +57,7 @@ def test_bad_rows_become_error_records_and_the_job_goes_on(tmp_path):
     assert [(e["custom_id"], e["line"]) for e in errors] == [("bad", 2), ("2", 3)]
     assert "top_p" in errors[0]["error"]["message"]
     assert errors[1]["error"]["code"] == "invalid_json"
-    assert "2 rows, 2 failed" in result.output
+    assert "2 done, 2 failed" in result.output
 
 
 def test_default_job_dir_and_output_option(tmp_path, monkeypatch):

@@ -3,10 +3,11 @@
 import pytest
 
 from batchrun.engine.prompt import PromptBuilder
-from batchrun.engine.request import SamplingParams
+from batchrun.engine.request import FinishReason, Output, SamplingParams
 from batchrun.io.jsonl import read_jsonl
-from batchrun.io.results import OrderedWriter
+from batchrun.io.results import OrderedSink
 from batchrun.job.rows import RowError, RowOptions, Task, build_task
+from batchrun.job.state import Progress
 
 
 @pytest.fixture
@@ -95,18 +96,24 @@ def test_jsonl_reader_numbers_lines_and_skips_blank_ones(tmp_path):
     assert "UTF-8" in rows[3].error
 
 
-def test_ordered_writer_holds_out_of_order_records_until_the_gap_fills(tmp_path):
-    path = tmp_path / "out.jsonl"
-    w = OrderedWriter(path)
-    w.put(2, b"c\n")
-    w.put(1, b"b\n")
-    assert path.read_bytes() == b"" and w.held == 2
-    w.skip(0)
-    w.flush()
-    assert path.read_bytes() == b"b\nc\n" and w.held == 0
-    with pytest.raises(ValueError):
-        w.put(1, b"again\n")
-    w.close()
+def test_ordered_sink_holds_out_of_order_records_until_the_gap_fills(tmp_path):
+    results, errors = tmp_path / "r.jsonl", tmp_path / "e.jsonl"
+    sink = OrderedSink(results, errors, Progress())
+    out = Output(0, "x", [1, 2], FinishReason.LENGTH, prompt_tokens=5)
+    sink.put(2, b"c\n", False, out)
+    sink.put(1, b"b\n", False, out)
+    sink.sync()
+    assert results.read_bytes() == b"" and sink.held == 2
+    sink.put(0, b"a-error\n", True)
+    progress = sink.sync()
+    assert results.read_bytes() == b"b\nc\n" and errors.read_bytes() == b"a-error\n"
+    assert sink.held == 0
+    assert (progress.next_index, progress.rows_done, progress.rows_failed) == (3, 2, 1)
+    assert progress.results_bytes == 4 and progress.errors_bytes == 8
+    assert progress.completion_tokens == 4 and progress.prompt_tokens == 10
+    with pytest.raises(RuntimeError, match="twice"):
+        sink.put(1, b"again\n", False, out)
+    sink.close()
 
 
 def test_sampled_rows_without_a_seed_get_one_from_their_position(prompts):

@@ -62,8 +62,9 @@ class Engine:
     """Add requests, call `step()` until `has_work()` is false; each step returns finished ones."""
 
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None,
-                 context_length: int | None = None):
+                 context_length: int | None = None, model_path: str = ""):
         self.model = model
+        self.model_path = model_path
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
         self.prompts = PromptBuilder(tokenizer)
@@ -96,7 +97,7 @@ class Engine:
         from batchrun.models import load_model
 
         loaded = load_model(model_path)
-        return cls(loaded.model, loaded.tokenizer, config, loaded.context_length)
+        return cls(loaded.model, loaded.tokenizer, config, loaded.context_length, loaded.path)
 
     # -- adding work ---------------------------------------------------------------------------
 
@@ -219,6 +220,9 @@ class Engine:
             batch.append(seq)
         if not batch:
             return
+        # mlx-lm prefills queued prompts in insertion order, prefill_batch_size at a time, each
+        # group right-padded to its longest prompt: inserting by length wastes less on padding.
+        batch.sort(key=lambda s: len(s.prompt))
         uids = self._gen.insert(
             [s.prompt for s in batch],
             max_tokens=[s.max_tokens for s in batch],
@@ -308,11 +312,15 @@ class Engine:
             s.decode_steps += 1
             s.batch_size_sum += decoded
         s.peak_memory_bytes = max(s.peak_memory_bytes, mx.get_peak_memory())
+        self.sample_timeline()
+
+    def sample_timeline(self, force: bool = False) -> None:
+        """Record (time, prompt tokens, generated tokens, running) every interval, or now."""
         t = time.perf_counter() - self._started
-        if t - self._last_sample >= TIMELINE_INTERVAL_S:
+        if force or t - self._last_sample >= TIMELINE_INTERVAL_S:
             self._last_sample = t
-            s.timeline.append((round(t, 3), s.prompt_tokens, self.generated_tokens,
-                               len(self._running)))
+            self.stats.timeline.append((round(t, 3), self.stats.prompt_tokens,
+                                        self.generated_tokens, len(self._running)))
 
     def _live_tokens(self) -> int:
         return sum(len(seq.tokens) for seq in self._running.values())

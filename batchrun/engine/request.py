@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # an end-of-sequence token, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context length reached
     ABORT = "abort"  # aborted by the caller

@@ -30,11 +30,15 @@ def open_binary(path: str | Path):
     return open(path, "rb")
 
 
-def read_jsonl(path: str | Path) -> Iterator[RawRow]:
+def read_jsonl(path: str | Path, start: int = 0) -> Iterator[RawRow]:
+    """Rows from index `start` on; earlier rows are skipped without being parsed."""
     index = 0
     with open_binary(path) as f:
         for line_no, raw in enumerate(f, start=1):
             if not raw.strip():
+                continue
+            if index < start:
+                index += 1
                 continue
             try:
                 yield RawRow(index, line_no, orjson.loads(raw))

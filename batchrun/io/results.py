@@ -1,43 +1,58 @@
-"""Write results in input order, holding out-of-order completions only until the gap fills."""
+"""Write result and error records in input order, holding out-of-order completions only until
+the gap before them fills."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
-from typing import BinaryIO
+
+from batchrun.engine.request import Output
+from batchrun.job.state import Progress
 
 
-class OrderedWriter:
-    """Append records to a file in index order; `skip(i)` marks an index that has no record."""
+class OrderedSink:
+    """Writes result and error records in input order, holding out-of-order ones until the gap
+    before them fills; keeps the Progress that describes exactly what it has written."""
 
-    def __init__(self, path: str | Path, next_index: int = 0, mode: str = "ab"):
-        self.path = Path(path)
-        self.next_index = next_index
-        self._held: dict[int, bytes | None] = {}
-        self._file: BinaryIO = open(self.path, mode)
+    def __init__(self, results: Path, errors: Path, progress: Progress):
+        self.progress = dataclasses.replace(progress)
+        # Held open for the sink's life; close() closes them.
+        self._results = open(results, "ab")  # noqa: SIM115
+        self._errors = open(errors, "ab")  # noqa: SIM115
+        self._held: dict[int, tuple[bytes, bool, Output | None]] = {}
 
-    def put(self, index: int, record: bytes | None) -> None:
-        if index < self.next_index or index in self._held:
-            raise ValueError(f"row {index} was already written")
-        self._held[index] = record
-        while self.next_index in self._held:
-            line = self._held.pop(self.next_index)
-            if line is not None:
-                self._file.write(line)
-            self.next_index += 1
-
-    def skip(self, index: int) -> None:
-        self.put(index, None)
+    def put(self, index: int, line: bytes, is_error: bool, out: Output | None = None) -> None:
+        if index < self.progress.next_index or index in self._held:
+            raise RuntimeError(f"row {index} would be written twice")
+        self._held[index] = (line, is_error, out)
+        p = self.progress
+        while p.next_index in self._held:
+            line, is_error, out = self._held.pop(p.next_index)
+            if is_error:
+                self._errors.write(line)
+                p.errors_bytes += len(line)
+                p.rows_failed += 1
+            else:
+                self._results.write(line)
+                p.results_bytes += len(line)
+                p.rows_done += 1
+                p.prompt_tokens += out.prompt_tokens
+                p.cached_tokens += out.cached_tokens
+                p.completion_tokens += out.completion_tokens
+            p.next_index += 1
 
     @property
     def held(self) -> int:
         return len(self._held)
 
-    def flush(self, sync: bool = False) -> None:
-        self._file.flush()
-        if sync:
-            os.fsync(self._file.fileno())
+    def sync(self) -> Progress:
+        """Flush and fsync both files; returns the progress that is now durable."""
+        for f in (self._results, self._errors):
+            f.flush()
+            os.fsync(f.fileno())
+        return dataclasses.replace(self.progress)
 
     def close(self) -> None:
-        self.flush(sync=True)
-        self._file.close()
+        self._results.close()
+        self._errors.close()

@@ -1,14 +1,22 @@
-"""Run a batch job: rows in, one result or one error record out per row, in input order.
+"""Run a batch job: every input row ends as exactly one result or one error record, in input
+order, across crashes and restarts.
 
-Data flows one way: reader -> feeder (parse, render, tokenize) -> engine -> ordered writer.
-The feeder keeps the engine's queue full while rows remain, so the running batch stays at its
-concurrency limit until the input runs out.
+Data flows one way: reader -> feeder (parse, render, tokenize) -> engine -> ordered sink ->
+committed state. The feeder keeps the engine's queue full while rows remain. Identical requests
+(same prompt tokens and sampling) are computed once. The sink writes records in input order and
+`JobState.commit` makes a prefix durable; a restart truncates to it and resumes after it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import signal
+import threading
 import time
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
@@ -17,26 +25,62 @@ from tqdm import tqdm
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import FinishReason, Output
 from batchrun.io.jsonl import RawRow, open_binary, read_jsonl
-from batchrun.io.results import OrderedWriter
+from batchrun.io.parquet import count_parquet, read_parquet, write_parquet_output
+from batchrun.io.results import OrderedSink
+from batchrun.job import manifest as mf
+from batchrun.job import report as rp
 from batchrun.job.feeder import Feeder
+from batchrun.job.records import error_record, result_record
 from batchrun.job.rows import RowError, RowOptions, Task, build_task
+from batchrun.job.state import JobLock, JobState, Progress
 
+COMMIT_INTERVAL_S = 1.0
 PROGRESS_INTERVAL_S = 0.5
+DONE_CACHE_SIZE = 4096  # recent outputs kept for identical rows further down the input
+
+
+class JobError(Exception):
+    """A fatal problem with the job as a whole (exit 1); the message says what to do."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C: progress was committed; the job can be resumed."""
 
 
 @dataclass(slots=True)
-class JobPaths:
+class JobSpec:
+    input: Path
     job_dir: Path
     output: Path
+    model: str | None
+    rows: RowOptions
+    restart: bool = False
+    quiet: bool = False
 
     @property
-    def errors(self) -> Path:
+    def parquet_output(self) -> bool:
+        return self.output.suffix == ".parquet"
+
+    @property
+    def results_path(self) -> Path:
+        """Where ordered results are appended: the output itself, or a JSONL beside it."""
+        return self.job_dir / "results.jsonl" if self.parquet_output else self.output
+
+    @property
+    def errors_path(self) -> Path:
         return self.job_dir / "errors.jsonl"
 
-    @classmethod
-    def for_input(cls, input_path: Path, job_dir: Path | None, output: Path | None) -> JobPaths:
-        job_dir = job_dir or Path("jobs") / input_stem(input_path)
-        return cls(job_dir, output or job_dir / "results.jsonl")
+    def options(self) -> dict:
+        """The options that change outputs: a resumed job must use the same ones."""
+        r = self.rows
+        options = {"sampling": dataclasses.asdict(r.defaults), "system": r.system,
+                   "prompt_template": r.prompt_template, "id_column": r.id_column,
+                   "output": str(self.output.resolve())}
+        return orjson.loads(orjson.dumps(options))  # as job.json stores it (tuples are lists)
+
+
+def default_job_dir(input_path: Path) -> Path:
+    return Path("jobs") / input_stem(input_path)
 
 
 def input_stem(path: Path) -> str:
@@ -47,122 +91,209 @@ def input_stem(path: Path) -> str:
     return path.stem
 
 
-@dataclass(slots=True)
-class JobSummary:
-    rows_total: int = 0
-    rows_done: int = 0
-    rows_failed: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    wall_s: float = 0.0
-    errors: list[RowError] = field(default_factory=list)
+def is_parquet(path: Path) -> bool:
+    return path.name.endswith(".parquet")
 
 
 def count_rows(path: Path) -> int:
+    if is_parquet(path):
+        return count_parquet(path)
     with open_binary(path) as f:
         return sum(1 for line in f if line.strip())
 
 
-class JobRunner:
-    def __init__(self, engine: Engine, input_path: Path, paths: JobPaths, rows: RowOptions,
-                 quiet: bool = False):
-        self.engine = engine
-        self.input_path = input_path
-        self.paths = paths
-        self.rows = rows
-        self.quiet = quiet
-        self.summary = JobSummary()
-        self._pending: dict[int, Task] = {}
+def read_rows(path: Path, start: int) -> Iterator[RawRow]:
+    return read_parquet(path, start) if is_parquet(path) else read_jsonl(path, start)
 
-    def run(self) -> JobSummary:
-        self.paths.job_dir.mkdir(parents=True, exist_ok=True)
-        self.paths.output.parent.mkdir(parents=True, exist_ok=True)
-        self.summary.rows_total = count_rows(self.input_path)
-        started = time.perf_counter()
-        engine = self.engine
-        target = engine.max_concurrency + engine.config.prefill_batch_size
-        feeder = Feeder(read_jsonl(self.input_path), self._build, lookahead=2 * target)
-        writer = OrderedWriter(self.paths.output, mode="wb")
-        errors = open(self.paths.errors, "wb")
-        bar = tqdm(total=self.summary.rows_total, unit="row", disable=self.quiet,
-                   dynamic_ncols=True, smoothing=0.1)
-        last = 0.0
+
+class JobRunner:
+    def __init__(self, engine: Engine, spec: JobSpec, model_name: str, model_path: str,
+                 device: str):
+        self.engine = engine
+        self.spec = spec
+        self.model_name = model_name
+        self.model_path = model_path
+        self.device = device
+        self.state = JobState(spec.job_dir, spec.results_path, spec.errors_path)
+        self.lock = JobLock(spec.job_dir)
+        self.rows_total = 0
+        self.manifest: dict = {}
+        self.report: dict = {}
+        self._pending: dict[int, list[Task]] = {}  # engine request id -> tasks awaiting it
+        self._inflight: dict[bytes, int] = {}  # payload hash -> engine request id
+        self._request_key: dict[int, bytes] = {}
+        self._done: OrderedDict[bytes, Output] = OrderedDict()
+        self._interrupted = False
+        self.deduplicated = 0
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def prepare(self) -> Progress:
+        """Lock the job folder, check that it is the same job, and load its progress."""
+        spec = self.spec
+        spec.job_dir.mkdir(parents=True, exist_ok=True)
+        if not self.lock.acquire():
+            raise JobError(f"job folder {spec.job_dir} is in use by another batchrun process "
+                           f"(pid {self.lock.holder()}); wait for it or use another --job-dir")
+        self.rows_total = count_rows(spec.input)
+        if self.rows_total == 0:
+            raise JobError(f"{spec.input} has no rows")
+        new = mf.new_manifest(mf.input_fingerprint(spec.input), self.model_name,
+                              self.model_path, mf.model_fingerprint(self.model_path),
+                              spec.options(), spec.output)
+        old = mf.load_manifest(spec.job_dir)
+        if old is not None and not spec.restart:
+            changed = mf.differences(old, new)
+            if changed:
+                raise JobError(
+                    f"{spec.job_dir} holds a different job: " + "; ".join(changed)
+                    + ".\n  Re-run with --restart to discard its progress, or pass another "
+                    "--job-dir to keep both.")
+            new["created"] = old["created"]
+        if spec.restart or old is None:
+            self.state.reset()
+            for name in ("report.json", "report.html"):
+                (spec.job_dir / name).unlink(missing_ok=True)
+        self.manifest = new
+        mf.save_manifest(spec.job_dir, new)
+        return self.state.load()
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        """Process every pending row; returns report.json's content."""
         try:
-            while True:
-                wanted = target - engine.num_waiting
-                for item in feeder.take(wanted, block=not engine.has_work()):
-                    if isinstance(item, RowError):
-                        self._fail(item, writer, errors)
-                        bar.update(1)
-                    else:
-                        self._pending[engine.add_tokens(item.prompt_ids, item.params)] = item
+            progress = self.prepare()
+            return self._run(progress)
+        finally:
+            self.lock.release()
+
+    def _run(self, progress: Progress) -> dict:
+        spec, engine = self.spec, self.engine
+        started = time.time()
+        t0 = time.perf_counter()
+        runs = [] if spec.restart else rp.previous_runs(spec.job_dir)
+        self._start_progress = dataclasses.replace(progress)
+        status = "completed"
+        sink = OrderedSink(spec.results_path, spec.errors_path, progress)
+        target = engine.max_concurrency + engine.config.prefill_batch_size
+        feeder = Feeder(read_rows(spec.input, progress.next_index), self._build,
+                        lookahead=2 * target)
+        bar = tqdm(total=self.rows_total, initial=progress.next_index, unit="row",
+                   disable=spec.quiet, dynamic_ncols=True, smoothing=0.1)
+        last_commit = last_bar = time.perf_counter()
+        main_thread = threading.current_thread() is threading.main_thread()
+        if main_thread:
+            previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+        try:
+            while not self._interrupted:
+                for item in feeder.take(target - engine.num_waiting, block=not engine.has_work()):
+                    self._submit(item, sink, bar)
                 if not engine.has_work() and feeder.exhausted:
                     break
                 for out in engine.step():
-                    self._finish(out, writer, errors)
-                    bar.update(1)
+                    self._finish(out, sink, bar)
                 now = time.perf_counter()
-                if now - last >= PROGRESS_INTERVAL_S:
-                    last = now
-                    bar.set_postfix_str(self._rates(now - started), refresh=False)
+                if now - last_commit >= COMMIT_INTERVAL_S:
+                    last_commit = now
+                    self._commit(sink, runs, started, now - t0, "running")
+                if now - last_bar >= PROGRESS_INTERVAL_S:
+                    last_bar = now
+                    bar.set_postfix_str(self._rates(now - t0, sink), refresh=False)
+            if self._interrupted:
+                status = "interrupted"
+        except BaseException:
+            status = "failed"
+            raise
         finally:
+            if main_thread:
+                signal.signal(signal.SIGINT, previous_sigint)
             feeder.close()
-            writer.close()
-            errors.close()
             bar.close()
-        self.summary.wall_s = time.perf_counter() - started
-        return self.summary
+            self._commit(sink, runs, started, time.perf_counter() - t0, status)
+            sink.close()
+        if self._interrupted:
+            raise Interrupted()
+        if spec.parquet_output:
+            write_parquet_output(spec.input, spec.results_path, spec.errors_path, spec.output)
+        return self.report
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self._interrupted:  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        self._interrupted = True
 
     def _build(self, raw: RawRow) -> Task | RowError:
         if raw.error is not None:
             return RowError(raw.index, raw.line, str(raw.index), "invalid_json", raw.error)
-        return build_task(raw.value, raw.index, raw.line, self.engine.prompts, self.rows)
+        return build_task(raw.value, raw.index, raw.line, self.engine.prompts, self.spec.rows)
 
-    def _finish(self, out: Output, writer: OrderedWriter, errors) -> None:
-        task = self._pending.pop(out.request_id)
-        if out.finish_reason is FinishReason.ERROR:
-            self._fail(RowError(task.index, task.line, task.custom_id, "request_failed",
-                                out.error or "failed"), writer, errors)
+    def _submit(self, item: Task | RowError, sink: OrderedSink, bar) -> None:
+        if isinstance(item, RowError):
+            self._write_error(item, sink, openai=False)
+            bar.update(1)
             return
-        self.summary.rows_done += 1
-        self.summary.prompt_tokens += out.prompt_tokens
-        self.summary.completion_tokens += out.completion_tokens
-        writer.put(task.index, orjson.dumps(result_record(task, out)) + b"\n")
+        key = _payload_key(item)
+        if key in self._done:  # identical to a recent row: reuse its output
+            self._done.move_to_end(key)
+            self.deduplicated += 1
+            self._write(item, self._done[key], sink)
+            bar.update(1)
+        elif key in self._inflight:  # identical to a row being computed: wait for it
+            self.deduplicated += 1
+            self._pending[self._inflight[key]].append(item)
+        else:
+            request_id = self.engine.add_tokens(item.prompt_ids, item.params)
+            self._pending[request_id] = [item]
+            self._inflight[key] = request_id
+            self._request_key[request_id] = key
 
-    def _fail(self, error: RowError, writer: OrderedWriter, errors) -> None:
-        self.summary.rows_failed += 1
-        self.summary.errors.append(error)
-        errors.write(orjson.dumps(error_record(error)) + b"\n")
-        writer.skip(error.index)
+    def _finish(self, out: Output, sink: OrderedSink, bar) -> None:
+        tasks = self._pending.pop(out.request_id)
+        key = self._request_key.pop(out.request_id)
+        del self._inflight[key]
+        if out.finish_reason is not FinishReason.ERROR:
+            self._done[key] = out
+            if len(self._done) > DONE_CACHE_SIZE:
+                self._done.popitem(last=False)
+        for task in tasks:
+            self._write(task, out, sink)
+        bar.update(len(tasks))
 
-    def _rates(self, elapsed: float) -> str:
-        stats = self.engine.stats
+    def _write(self, task: Task, out: Output, sink: OrderedSink) -> None:
+        if out.finish_reason is FinishReason.ERROR:
+            self._write_error(RowError(task.index, task.line, task.custom_id, "request_failed",
+                                       out.error or "the request failed"), sink,
+                              openai=task.openai is not None)
+            return
+        record = result_record(task, out, self.model_name, self.manifest["created"])
+        sink.put(task.index, orjson.dumps(record) + b"\n", is_error=False, out=out)
+
+    def _write_error(self, error: RowError, sink: OrderedSink, openai: bool) -> None:
+        sink.put(error.index, orjson.dumps(error_record(error, openai)) + b"\n", is_error=True)
+
+    def _commit(self, sink: OrderedSink, runs: list[dict], started: float, wall: float,
+                status: str) -> None:
+        progress = sink.sync()
+        self.state.commit(progress)
+        self.engine.sample_timeline(force=status != "running")
+        start = self._start_progress
+        run = rp.run_entry(started, status, self.engine.stats,
+                           progress.rows_done - start.rows_done,
+                           progress.rows_failed - start.rows_failed,
+                           self.engine.max_concurrency, wall)
+        self.report = rp.build_report(self.manifest, progress, self.rows_total, [*runs, run],
+                                      self.device)
+        rp.write_report(self.spec.job_dir, self.report, html_too=status != "running")
+
+    def _rates(self, elapsed: float, sink: OrderedSink) -> str:
         tokens = self.engine.generated_tokens
         return (f"{tokens / elapsed:,.0f} tok/s, batch {self.engine.num_running}, "
-                f"mean batch {stats.mean_batch_size:.1f}")
+                f"held {sink.held}")
 
 
-def result_record(task: Task, out: Output) -> dict:
-    record = {
-        "custom_id": task.custom_id,
-        "index": task.index,
-        "text": out.text,
-        "finish_reason": out.finish_reason.value,
-        "usage": {
-            "prompt_tokens": out.prompt_tokens,
-            "completion_tokens": out.completion_tokens,
-            "cached_tokens": out.cached_tokens,
-        },
-    }
-    if out.logprobs is not None:
-        record["logprobs"] = out.logprobs
-    return record
-
-
-def error_record(error: RowError) -> dict:
-    return {
-        "custom_id": error.custom_id,
-        "index": error.index,
-        "line": error.line,
-        "error": {"code": error.code, "message": error.message},
-    }
+def _payload_key(task: Task) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr(dataclasses.astuple(task.params)).encode())
+    h.update(b"\x00".join(str(t).encode() for t in task.prompt_ids))
+    return h.digest()

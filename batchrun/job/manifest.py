@@ -1,0 +1,93 @@
+"""job.json: what a job is (input, model and option fingerprints), so a re-run can tell whether it
+resumes the same job or would mix two different ones into one output."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+import batchrun
+from batchrun.job.state import read_json, write_atomic
+
+CHUNK = 1 << 20
+MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+               "chat_template.json", "generation_config.json", "special_tokens_map.json")
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def input_fingerprint(path: Path) -> dict:
+    return {"path": str(Path(path).resolve()), "size": path.stat().st_size,
+            "sha256": file_sha256(path)}
+
+
+def model_fingerprint(model_path: str) -> str:
+    """Changes when weights, tokenizer, chat template, dtype or the MLX / mlx-lm versions do.
+
+    Weight files are hashed by name, size and their first and last megabyte: cheap for a
+    multi-GB model, and any re-conversion or re-quantization changes them.
+    """
+    import mlx.core as mx
+    import mlx_lm
+
+    h = hashlib.sha256(f"mlx={mx.__version__};mlx-lm={mlx_lm.__version__}".encode())
+    root = Path(model_path)
+    if not root.is_dir():
+        h.update(model_path.encode())
+        return h.hexdigest()
+    for name in MODEL_FILES:
+        p = root / name
+        if p.exists():
+            h.update(name.encode() + p.read_bytes())
+    for p in sorted(root.glob("*.safetensors")):
+        size = p.stat().st_size
+        h.update(f"{p.name}:{size}".encode())
+        with open(p, "rb") as f:
+            h.update(f.read(CHUNK))
+            f.seek(max(0, size - CHUNK))
+            h.update(f.read(CHUNK))
+    return h.hexdigest()
+
+
+def new_manifest(input_fp: dict, model: str, model_path: str, model_fp: str, options: dict,
+                 output: Path) -> dict:
+    return {
+        "batchrun_version": batchrun.__version__,
+        "created": int(time.time()),
+        "input": input_fp,
+        "model": {"name": model, "path": model_path, "fingerprint": model_fp},
+        "options": options,
+        "output": str(output),
+    }
+
+
+def differences(old: dict, new: dict) -> list[str]:
+    """What changed between the job on disk and this command, in words."""
+    changed = []
+    if old["input"]["sha256"] != new["input"]["sha256"]:
+        changed.append(f"the input changed ({old['input']['path']}: "
+                       f"{old['input']['size']:,} -> {new['input']['size']:,} bytes)")
+    if old["model"]["fingerprint"] != new["model"]["fingerprint"]:
+        changed.append(f"the model changed ({old['model']['name']} -> {new['model']['name']})")
+    for key in sorted(set(old["options"]) | set(new["options"])):
+        a, b = old["options"].get(key), new["options"].get(key)
+        if a != b:
+            changed.append(f"option {key}: {a!r} -> {b!r}")
+    return changed
+
+
+def load_manifest(job_dir: Path) -> dict | None:
+    return read_json(Path(job_dir) / "job.json")
+
+
+def save_manifest(job_dir: Path, manifest: dict) -> None:
+    import orjson
+
+    write_atomic(Path(job_dir) / "job.json", orjson.dumps(manifest, option=orjson.OPT_INDENT_2))

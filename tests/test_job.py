@@ -1,0 +1,221 @@
+"""The batch job end to end: input shapes, output formats, resume, refusal, lock, reports."""
+
+import gzip
+import shutil
+from pathlib import Path
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from batchrun.cli import cli
+from batchrun.job.state import JobLock
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE = ROOT / "sample_data"
+REPORT_FIELDS = {"rows_total", "rows_done", "rows_failed", "prompt_tokens",
+                 "cached_prompt_tokens", "completion_tokens", "wall_s", "prefill_tokens_per_s",
+                 "decode_tokens_per_s", "completion_tokens_per_s", "requests_per_s",
+                 "peak_memory_bytes", "max_concurrency", "mean_batch_size", "ttft_p50_s",
+                 "ttft_p95_s", "model", "device", "batchrun_version", "runs"}
+
+
+def jsonl(path):
+    return [orjson.loads(x) for x in Path(path).read_bytes().splitlines() if x.strip()]
+
+
+def invoke(*args, code=0):
+    result = CliRunner().invoke(cli, [str(a) for a in args])
+    assert result.exit_code == code, result.output
+    return result
+
+
+def run(*args, code=0):
+    return invoke("run", *args, "--quiet", code=code)
+
+
+@pytest.fixture
+def rows_file(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(
+        orjson.dumps({"custom_id": f"r{i}", "prompt": f"Review number {i}: it is sturdy.",
+                      "max_tokens": 4 + i % 5}).decode() + "\n" for i in range(30)))
+    return path
+
+
+def test_report_json_and_html(rows_file, tmp_path):
+    job = tmp_path / "job"
+    run(rows_file, "--job-dir", job)
+    report = orjson.loads((job / "report.json").read_bytes())
+    assert set(report) >= REPORT_FIELDS
+    assert (report["rows_total"], report["rows_done"], report["rows_failed"]) == (30, 30, 0)
+    results = jsonl(job / "results.jsonl")
+    assert report["completion_tokens"] == sum(r["usage"]["completion_tokens"] for r in results)
+    assert len(report["runs"]) == 1 and report["runs"][0]["status"] == "completed"
+    assert REPORT_FIELDS - {"runs", "model", "device", "batchrun_version", "rows_total"} \
+        <= set(report["runs"][0])
+    page = (job / "report.html").read_text()
+    assert page.startswith("<!doctype html>") and "<svg" in page and "http" not in page
+    manifest = orjson.loads((job / "job.json").read_bytes())
+    assert manifest["input"]["sha256"] and manifest["model"]["fingerprint"]
+
+
+def test_rerun_resumes_and_a_finished_job_is_not_recomputed(rows_file, tmp_path):
+    job = tmp_path / "job"
+    run(rows_file, "--job-dir", job)
+    first = (job / "results.jsonl").read_bytes()
+    result = run(rows_file, "--job-dir", job)
+    assert (job / "results.jsonl").read_bytes() == first
+    report = orjson.loads((job / "report.json").read_bytes())
+    assert len(report["runs"]) == 2 and report["runs"][1]["rows_done"] == 0
+    assert "30 done" in result.output
+
+
+def test_changed_input_or_options_are_refused_unless_restart(rows_file, tmp_path):
+    job = tmp_path / "job"
+    run(rows_file, "--job-dir", job)
+    refused = run(rows_file, "--job-dir", job, "--max-tokens", "9", code=1)
+    assert "different job" in refused.output and "max_tokens" in refused.output
+    assert "--restart" in refused.output
+    with open(rows_file, "a") as f:
+        f.write('{"prompt": "one more"}\n')
+    refused = run(rows_file, "--job-dir", job, code=1)
+    assert "the input changed" in refused.output
+    run(rows_file, "--job-dir", job, "--restart")
+    assert len(jsonl(job / "results.jsonl")) == 31
+
+
+def test_a_running_job_folder_is_refused(rows_file, tmp_path):
+    job = tmp_path / "job"
+    job.mkdir()
+    lock = JobLock(job)
+    assert lock.acquire()
+    try:
+        refused = run(rows_file, "--job-dir", job, code=1)
+        assert "in use by another batchrun process" in refused.output
+        status = invoke("status", job, code=1)  # no job.json yet: not a job folder
+        assert "not a batchrun job folder" in status.output
+    finally:
+        lock.release()
+    run(rows_file, "--job-dir", job)  # a released (or dead process's) lock is taken over
+
+
+def test_status_after_a_run(rows_file, tmp_path):
+    job = tmp_path / "job"
+    run(rows_file, "--job-dir", job)
+    out = invoke("status", job).output
+    assert "not running" in out and "30 done, 0 failed, 0 pending of 30" in out
+    out = invoke("report", job).output
+    assert "30 done" in out and (job / "report.html").exists()
+
+
+def test_gzip_input(rows_file, tmp_path):
+    gz = tmp_path / "rows.jsonl.gz"
+    gz.write_bytes(gzip.compress(rows_file.read_bytes()))
+    run(gz, "--job-dir", tmp_path / "gz")
+    run(rows_file, "--job-dir", tmp_path / "plain")
+    assert jsonl(tmp_path / "gz" / "results.jsonl") == jsonl(tmp_path / "plain" /
+                                                              "results.jsonl")
+
+
+def test_identical_rows_are_computed_once_but_each_gets_its_result(tmp_path):
+    path = tmp_path / "dup.jsonl"
+    path.write_text("".join(orjson.dumps({"id": f"d{i}", "prompt": "same prompt"}).decode()
+                            + "\n" for i in range(6)) + '{"id": "other", "prompt": "another"}\n')
+    result = run(path, "--job-dir", tmp_path / "job", "--max-tokens", "6")
+    results = jsonl(tmp_path / "job" / "results.jsonl")
+    assert [r["custom_id"] for r in results] == [f"d{i}" for i in range(6)] + ["other"]
+    assert len({r["text"] for r in results[:6]}) == 1
+    assert "5 reused" in result.output
+
+
+def test_parquet_round_trip_keeps_columns_and_types(tmp_path):
+    out = tmp_path / "labels.parquet"
+    run(SAMPLE / "reviews.parquet", "--job-dir", tmp_path / "job", "-o", out,
+        "--prompt-template", "Sentiment of: {review}", "--id-column", "id", "--max-tokens", "3")
+    source = pq.read_table(SAMPLE / "reviews.parquet")
+    table = pq.read_table(out)
+    assert table.num_rows == source.num_rows
+    for field in source.schema:  # every input column, same type, same values
+        assert table.schema.field(field.name).type == field.type
+        assert table.column(field.name).equals(source.column(field.name))
+    assert table.schema.field("rating").type == pa.int8()
+    assert table.schema.field("tags").type == pa.list_(pa.string())
+    for name, type_ in [("text", pa.string()), ("finish_reason", pa.string()),
+                        ("prompt_tokens", pa.int64()), ("completion_tokens", pa.int64()),
+                        ("cached_tokens", pa.int64()), ("error", pa.string())]:
+        assert table.schema.field(name).type == type_
+    assert table.column("error").null_count == table.num_rows
+    assert all(0 < n <= 3 for n in table.column("completion_tokens").to_pylist())
+    results = jsonl(tmp_path / "job" / "results.jsonl")  # the durable progress beside it
+    assert [r["custom_id"] for r in results] == source.column("id").to_pylist()
+    assert table.column("text").to_pylist() == [r["text"] for r in results]
+
+
+def test_parquet_output_marks_failed_rows(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"prompt": "fine", "n": 1}\n{"prompt": "", "n": 2}\n'
+                    '{"prompt": "also fine", "n": 3}\n')
+    out = tmp_path / "out.parquet"
+    run(path, "--job-dir", tmp_path / "job", "-o", out, "--max-tokens", "2")
+    table = pq.read_table(out).to_pylist()
+    assert [r["n"] for r in table] == [1, 2, 3]
+    assert table[0]["error"] is None and table[2]["error"] is None
+    assert "prompt is empty" in table[1]["error"] and table[1]["text"] is None
+
+
+def test_openai_batch_input_gives_openai_batch_output(tmp_path):
+    path = tmp_path / "batch.jsonl"
+    lines = [
+        {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "my-model", "messages": [{"role": "user", "content": "Hi"}],
+                  "max_tokens": 5}},
+        {"custom_id": "comp-1", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "my-model", "prompt": "Once upon", "max_completion_tokens": 4}},
+        {"custom_id": "bad-1", "method": "POST", "url": "/v1/embeddings",
+         "body": {"input": "x"}},
+    ]
+    path.write_text("".join(orjson.dumps(x).decode() + "\n" for x in lines))
+    run(path, "--job-dir", tmp_path / "job")
+    chat, comp = jsonl(tmp_path / "job" / "results.jsonl")
+    for line, cid in ((chat, "chat-1"), (comp, "comp-1")):
+        assert set(line) == {"id", "custom_id", "response", "error"}
+        assert line["custom_id"] == cid and line["error"] is None
+        assert line["id"].startswith("batch_req_")
+        response = line["response"]
+        assert response["status_code"] == 200 and response["request_id"].startswith("req_")
+        body = response["body"]
+        assert body["model"] == "my-model" and isinstance(body["created"], int)
+        usage = body["usage"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert len(body["choices"]) == 1 and body["choices"][0]["index"] == 0
+        assert body["choices"][0]["finish_reason"] in ("stop", "length")
+    assert chat["response"]["body"]["object"] == "chat.completion"
+    assert chat["response"]["body"]["id"].startswith("chatcmpl-")
+    message = chat["response"]["body"]["choices"][0]["message"]
+    assert message["role"] == "assistant" and isinstance(message["content"], str)
+    assert chat["response"]["body"]["usage"]["completion_tokens"] <= 5
+    assert comp["response"]["body"]["object"] == "text_completion"
+    assert isinstance(comp["response"]["body"]["choices"][0]["text"], str)
+    assert comp["response"]["body"]["usage"]["completion_tokens"] <= 4
+    (error,) = jsonl(tmp_path / "job" / "errors.jsonl")
+    assert error["custom_id"] == "bad-1" and error["error"]["code"] == "unsupported_url"
+    assert error["line"] == 3
+
+
+def test_job_file_in_jobs_folder_labels_the_sample_reviews(tmp_path):
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    shutil.copy(ROOT / "jobs" / "label_reviews.toml", jobs)
+    (tmp_path / "sample_data").mkdir()
+    shutil.copy(SAMPLE / "reviews.parquet", tmp_path / "sample_data")
+    result = invoke("run", jobs / "label_reviews.toml", "--quiet", "--max-tokens", "2")
+    labels = pq.read_table(jobs / "label_reviews" / "labels.parquet")
+    assert labels.num_rows == 200 and "review" in labels.schema.names
+    assert max(labels.column("completion_tokens").to_pylist()) <= 2  # the flag beat the file
+    manifest = orjson.loads((jobs / "label_reviews" / "job.json").read_bytes())
+    assert manifest["options"]["prompt_template"].startswith("Review of a {product}")
+    assert "200 done" in result.output
