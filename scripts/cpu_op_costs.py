@@ -6,12 +6,15 @@
 import sys
 import time
 
+import batchrun  # noqa: F401  (routes MLX to OpenBLAS: must come before mlx.core)
+
+# isort: split
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-import batchrun  # noqa: F401  (OpenBLAS routing before mlx.core)
+from batchrun import blas
 from batchrun.models import load_model
 
 
@@ -24,6 +27,7 @@ def ms(f, n=5) -> float:
 
 
 def main(path: str) -> None:
+    print(f"BLAS: {blas.verify().describe()}")
     lm = load_model(path)
     model = lm.model
     hidden = model.args.hidden_size
