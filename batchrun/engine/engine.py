@@ -5,20 +5,23 @@ Invariants:
 - a request is inserted into the BatchGenerator only when the running batch's KV cache, with it,
   fits the memory budget, and the running batch never exceeds `max_concurrency`;
 - sampling randomness belongs to the request (see sampling.py), so a row's text does not depend
-  on which other rows share its batch.
+  on which other rows share its batch;
+- with a prefix cache, a prompt prefix shared by queued or running rows is computed by one of
+  them (the leader) while the others wait for its blocks, then reuse them.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
+from batchrun.cache.prefix import Block, PrefixCache
 from batchrun.engine.memory import MemoryBudget, kv_budget, measure_kv
 from batchrun.engine.prompt import PromptBuilder
 from batchrun.engine.request import (
@@ -52,6 +55,9 @@ class Sequence:
     ttft: float | None = None
     stop_scan_from: int = 0  # text offset before which no stop string can start
     cut_text: str | None = None  # the text before a stop string, once one was found
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of the prompt
+    cached: int = 0  # prompt tokens served from the prefix cache
+    store_upto: int = 0  # prompt tokens whose blocks this sequence computes and stores
 
     @property
     def length(self) -> int:
@@ -62,8 +68,12 @@ class Engine:
     """Add requests, call `step()` until `has_work()` is false; each step returns finished ones."""
 
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None,
-                 context_length: int | None = None, model_path: str = ""):
+                 context_length: int | None = None, model_path: str = "",
+                 prefix_cache: PrefixCache | None = None):
         self.model = model
+        self.prefix_cache = prefix_cache
+        self._key_counts: Counter[bytes] = Counter()  # prefix keys of queued + running rows
+        self._leading: Counter[bytes] = Counter()  # keys that admitted leaders are computing
         self.model_path = model_path
         self.tokenizer = tokenizer
         self.config = config or EngineConfig()
@@ -140,8 +150,11 @@ class Engine:
         error = self._reject_reason(seq)
         if error:
             self._finished.append(self._output(seq, FinishReason.ERROR, error=error))
-        else:
-            self._waiting.append(seq)
+            return request_id
+        if self.prefix_cache is not None:
+            seq.block_keys = self.prefix_cache.keys_for(prompt)
+            self._key_counts.update(seq.block_keys)
+        self._waiting.append(seq)
         return request_id
 
     def _reject_reason(self, seq: Sequence) -> str | None:
@@ -161,6 +174,7 @@ class Engine:
         for seq in self._waiting:
             if seq.id == request_id:
                 self._waiting.remove(seq)
+                self._release_prefix(seq)
                 self._finished.append(self._output(seq, FinishReason.ABORT))
                 return True
         for uid, seq in self._running.items():
@@ -212,28 +226,83 @@ class Engine:
         return self.run()
 
     def _admit(self) -> None:
-        batch: list[Sequence] = []
+        batch: list[tuple[Sequence, list[Block]]] = []
+        deferred: list[Sequence] = []
         while (self._waiting and len(self._running) + len(batch) < self.max_concurrency
                and self.memory.fits(self._waiting[0].length)):
             seq = self._waiting.popleft()
+            blocks = self._cached_blocks(seq)
+            if blocks is None:  # a leader is computing this row's prefix: wait for it
+                deferred.append(seq)
+                continue
             self.memory.add(seq.id, seq.length)
-            batch.append(seq)
+            batch.append((seq, blocks))
+        self._waiting.extendleft(reversed(deferred))
         if not batch:
             return
         # mlx-lm prefills queued prompts in insertion order, prefill_batch_size at a time, each
         # group right-padded to its longest prompt: inserting by length wastes less on padding.
-        batch.sort(key=lambda s: len(s.prompt))
+        batch.sort(key=lambda item: len(item[0].prompt) - item[0].cached)
+        seqs = [seq for seq, _ in batch]
         uids = self._gen.insert(
-            [s.prompt for s in batch],
-            max_tokens=[s.max_tokens for s in batch],
-            samplers=[make_sampler(s.params, self._seed_base + s.id) for s in batch],
-            stop_sequences=[s.stop_sequences for s in batch],
+            [s.prompt[s.cached:] for s in seqs],
+            max_tokens=[s.max_tokens for s in seqs],
+            caches=[PrefixCache.to_kv_caches(b) if b else None for _, b in batch],
+            all_tokens=[s.prompt[: s.cached] for s in seqs],
+            samplers=[make_sampler(s.params, self._seed_base + s.id) for s in seqs],
+            stop_sequences=[s.stop_sequences for s in seqs],
         )
         now = time.perf_counter()
-        for uid, seq in zip(uids, batch, strict=True):
+        for uid, seq in zip(uids, seqs, strict=True):
             seq.uid, seq.admitted_at = uid, now
             self._running[uid] = seq
             self.stats.prompt_tokens += len(seq.prompt)
+            self.stats.cached_tokens += seq.cached
+
+    def _cached_blocks(self, seq: Sequence) -> list[Block] | None:
+        """The prefix blocks this row can reuse, or None to defer it behind a leader.
+
+        A row becomes the leader of the shared blocks it will compute (those another queued
+        or running row also needs); rows needing blocks a leader is computing wait for them.
+        """
+        cache = self.prefix_cache
+        if cache is None or not seq.block_keys:
+            return []
+        blocks = cache.match(seq.prompt, seq.block_keys)
+        keys = seq.block_keys
+        n = len(blocks)
+        if n < len(keys) and keys[n] in self._leading:
+            return None
+        shared = n
+        while shared < len(keys) and self._key_counts[keys[shared]] >= 2:
+            shared += 1
+        seq.cached = n * cache.block_size
+        seq.store_upto = shared * cache.block_size
+        self._leading.update(keys[n:shared])
+        cache.count_lookup(n)
+        return blocks
+
+    def _store_prefix(self, uid: int, seq: Sequence) -> None:
+        """After a leader's prefill: copy its shared blocks into the prefix cache."""
+        cache = self.prefix_cache
+        n_cached = seq.cached // cache.block_size
+        n_store = seq.store_upto // cache.block_size
+        layer_caches, _ = self._gen.extract_cache([uid])[uid]
+        cache.store(seq.prompt, [(c.keys, c.values) for c in layer_caches], seq.store_upto)
+        self._leading.subtract(seq.block_keys[n_cached:n_store])
+        self._leading = +self._leading  # drop zero counts
+        seq.store_upto = 0
+
+    def _release_prefix(self, seq: Sequence) -> None:
+        if self.prefix_cache is None:
+            return
+        self._key_counts.subtract(seq.block_keys)
+        self._key_counts = +self._key_counts
+        if seq.store_upto:  # a leader that ended before its prefill was stored
+            size = self.prefix_cache.block_size
+            self._leading.subtract(seq.block_keys[seq.cached // size: seq.store_upto // size])
+            self._leading = +self._leading
+            seq.store_upto = 0
 
     def _collect(self, responses: list) -> None:
         now = time.perf_counter()
@@ -243,6 +312,8 @@ class Engine:
                 continue
             if seq.ttft is None:
                 seq.ttft = now - seq.admitted_at
+                if seq.store_upto > seq.cached:
+                    self._store_prefix(r.uid, seq)
             if r.finish_reason == "stop" and r.token in self._stop_ids(seq):
                 self._finish(r.uid, FinishReason.STOP, removed=True)
                 continue
@@ -284,6 +355,7 @@ class Engine:
         if not removed:
             self._gen.remove([uid])
         self.memory.remove(seq.id)
+        self._release_prefix(seq)
         self._finished.append(self._output(seq, reason))
 
     def _output(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> Output:
@@ -300,7 +372,7 @@ class Engine:
         self.stats.completion_tokens += len(seq.tokens)
         return Output(
             request_id=seq.id, text=text, token_ids=seq.tokens, finish_reason=reason,
-            prompt_tokens=len(seq.prompt), logprobs=seq.logprobs, top_logprobs=seq.top_logprobs,
+            prompt_tokens=len(seq.prompt), cached_tokens=seq.cached, logprobs=seq.logprobs, top_logprobs=seq.top_logprobs,
             ttft_s=seq.ttft, error=error,
         )
 

@@ -161,13 +161,15 @@ def _svg_chart(points: list[tuple[float, float]], title: str, unit: str, color: 
     path = " ".join(f"{'M' if i == 0 else 'L'}{sx(x):.1f},{sy(y):.1f}"
                     for i, (x, y) in enumerate(points))
     grid = []
+    y_fmt = ",.0f" if y_max >= 10 else ".2f"
+    x_fmt = ",.0f" if x_max >= 10 else ".1f"
     for k in range(5):
         y = y_max * k / 4
         grid.append(f'<line x1="{left}" x2="{w - 10}" y1="{sy(y):.1f}" y2="{sy(y):.1f}" '
                     f'class="grid"/><text x="{left - 6}" y="{sy(y) + 4:.1f}" '
-                    f'text-anchor="end">{y:,.0f}</text>')
+                    f'text-anchor="end">{y:{y_fmt}}</text>')
         x = x_max * k / 4
-        grid.append(f'<text x="{sx(x):.1f}" y="{h - 8}" text-anchor="middle">{x:,.0f}s</text>')
+        grid.append(f'<text x="{sx(x):.1f}" y="{h - 8}" text-anchor="middle">{x:{x_fmt}}s</text>')
     return (f'<svg viewBox="0 0 {w} {h}" role="img" aria-label="{html.escape(title)}">'
             f'<text x="{left}" y="14" class="title">{html.escape(title)} ({unit})</text>'
             + "".join(grid)

@@ -1,0 +1,24 @@
+"""Prefix caching: shared prompt prefixes prefilled once, kept in memory and on disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from batchrun.cache.disk import DEFAULT_CAP_BYTES, DiskCache, default_cache_dir
+from batchrun.cache.prefix import DEFAULT_BLOCK_SIZE, PrefixCache
+
+__all__ = ["PrefixCache", "DiskCache", "make_prefix_cache", "default_cache_dir"]
+
+
+def make_prefix_cache(model_fingerprint: str, budget_bytes: int, cache_dir: Path | None,
+                      block_size: int = DEFAULT_BLOCK_SIZE,
+                      disk_cap_bytes: int = DEFAULT_CAP_BYTES) -> PrefixCache:
+    """An in-memory prefix cache, backed by `cache_dir` on disk unless that is None."""
+    root = bytes.fromhex(model_fingerprint)[:16]
+    cache = PrefixCache(root=root, budget_bytes=budget_bytes, block_size=block_size)
+    if cache_dir is not None:
+        disk = DiskCache(cache_dir, model_fingerprint, block_size, disk_cap_bytes)
+        cache.fallback = disk.load
+        cache.on_store = disk.save
+        cache.disk = disk
+    return cache

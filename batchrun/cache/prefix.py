@@ -1,0 +1,164 @@
+"""In-memory prefix cache: KV of shared prompt prefixes, in blocks, evicted LRU by bytes.
+
+A block holds the KV of `block_size` consecutive prompt tokens. Its key chains through the
+prefix: hash(parent key, the block's tokens), seeded with the model fingerprint, so a key names
+a whole prefix and one model's blocks can never answer another model's lookup. A hit is
+confirmed by comparing the block's stored tokens. Lookups take whole blocks and always leave at
+least one prompt token to compute, so the engine gets logits for the first generated token.
+
+Invariant: a block's KV is exactly what the model computes for that prefix (it is copied out of
+a sequence's cache after its prefill), so reusing it does not change any output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+DEFAULT_BLOCK_SIZE = 64
+
+
+@dataclass(slots=True)
+class Block:
+    key: bytes
+    parent: bytes
+    tokens: tuple[int, ...]
+    keys: list[mx.array]  # per layer, (1, kv_heads, block_size, head_dim)
+    values: list[mx.array]
+    nbytes: int = 0
+
+    def __post_init__(self) -> None:
+        self.nbytes = sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+
+
+def block_keys(tokens: list[int], block_size: int, root: bytes) -> list[bytes]:
+    """The chained key of each whole block of `tokens`."""
+    keys, parent = [], root
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        h = hashlib.blake2b(parent, digest_size=16)
+        h.update(b"".join(t.to_bytes(4, "little") for t in tokens[start: start + block_size]))
+        parent = h.digest()
+        keys.append(parent)
+    return keys
+
+
+@dataclass(slots=True)
+class CacheStats:
+    hits: int = 0  # lookups that reused at least one block
+    misses: int = 0
+    hit_tokens: int = 0
+    stored_blocks: int = 0
+    evicted_blocks: int = 0
+    disk_loaded_blocks: int = 0
+    disk_skipped: int = 0  # corrupt, truncated or foreign entries ignored
+
+
+@dataclass(slots=True)
+class PrefixCache:
+    """Blocks by chained key, least recently used first; `budget_bytes` caps their KV."""
+
+    root: bytes  # the model fingerprint: the chain's seed
+    budget_bytes: int
+    block_size: int = DEFAULT_BLOCK_SIZE
+    blocks: OrderedDict[bytes, Block] = field(default_factory=OrderedDict)
+    nbytes: int = 0
+    stats: CacheStats = field(default_factory=CacheStats)
+    # Called for blocks that are not in memory: returns the block from disk, or None.
+    fallback: Callable[[bytes], Block | None] | None = None
+    # Called with the blocks each store() added: writes them to disk.
+    on_store: Callable[[list[Block]], None] | None = None
+    disk: object | None = None  # the DiskCache behind fallback / on_store, if any
+
+    def keys_for(self, tokens: list[int]) -> list[bytes]:
+        # Leave at least one token uncached: the engine must compute the last prompt token.
+        return block_keys(tokens[: max(0, len(tokens) - 1)], self.block_size, self.root)
+
+    def match(self, tokens: list[int], keys: list[bytes] | None = None) -> list[Block]:
+        """The longest run of cached blocks that prefixes `tokens` (confirmed token by token)."""
+        found = []
+        for i, key in enumerate(keys if keys is not None else self.keys_for(tokens)):
+            block = self._get(key)
+            span = tuple(tokens[i * self.block_size: (i + 1) * self.block_size])
+            if block is None or block.tokens != span:
+                break
+            found.append(block)
+        return found
+
+    def count_lookup(self, n_blocks: int) -> None:
+        """Record one admitted lookup that reused `n_blocks` blocks."""
+        if n_blocks:
+            self.stats.hits += 1
+            self.stats.hit_tokens += n_blocks * self.block_size
+        else:
+            self.stats.misses += 1
+
+    def _get(self, key: bytes) -> Block | None:
+        block = self.blocks.get(key)
+        if block is not None:
+            self.blocks.move_to_end(key)
+            return block
+        if self.fallback is not None:
+            block = self.fallback(key)
+            if block is not None:
+                self.stats.disk_loaded_blocks += 1
+                self._put(block)
+        return block
+
+    def contains(self, key: bytes) -> bool:
+        return key in self.blocks
+
+    def store(self, tokens: list[int], layer_kv: list[tuple[mx.array, mx.array]],
+              upto: int) -> list[Block]:
+        """Store the blocks of tokens[:upto] from one sequence's per-layer (keys, values),
+        each (1, kv_heads, >= upto, head_dim); returns the blocks that were new."""
+        new = []
+        parent = self.root
+        keys = self.keys_for(tokens[: upto + 1])
+        for i, key in enumerate(keys):
+            if key not in self.blocks:
+                lo, hi = i * self.block_size, (i + 1) * self.block_size
+                # Copies, so the block does not pin the sequence's whole cache buffer.
+                ks = [mx.array(k[:, :, lo:hi, :]) for k, _ in layer_kv]
+                vs = [mx.array(v[:, :, lo:hi, :]) for _, v in layer_kv]
+                mx.eval(ks, vs)
+                block = Block(key, parent, tuple(tokens[lo:hi]), ks, vs)
+                self._put(block)
+                new.append(block)
+                self.stats.stored_blocks += 1
+            else:
+                self.blocks.move_to_end(key)
+            parent = key
+        if new and self.on_store is not None:
+            self.on_store(new)
+        return new
+
+    def _put(self, block: Block) -> None:
+        if block.key in self.blocks:
+            return
+        self.blocks[block.key] = block
+        self.nbytes += block.nbytes
+        while self.nbytes > self.budget_bytes and len(self.blocks) > 1:
+            _, old = self.blocks.popitem(last=False)
+            self.nbytes -= old.nbytes
+            self.stats.evicted_blocks += 1
+
+    def clear(self) -> None:
+        self.blocks.clear()
+        self.nbytes = 0
+
+    @staticmethod
+    def to_kv_caches(blocks: list[Block]) -> list[KVCache]:
+        """Fresh per-layer KVCaches holding the concatenated blocks' KV."""
+        caches = []
+        for layer in range(len(blocks[0].keys)):
+            c = KVCache()
+            k = mx.concatenate([b.keys[layer] for b in blocks], axis=2)
+            v = mx.concatenate([b.values[layer] for b in blocks], axis=2)
+            c.state = (k, v, k.shape[2])
+            caches.append(c)
+        return caches
