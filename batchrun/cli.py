@@ -15,14 +15,15 @@ import click
 from click.core import ParameterSource
 
 import batchrun
+from batchrun.cache.disk import default_cache_dir
 from batchrun.engine.request import EngineConfig, SamplingParams
 
 # Job-file keys (TOML) and the `run` parameters they set; paths are relative to the job file.
 JOB_FILE_KEYS = ("input", "model", "output", "job_dir", "max_concurrency", "max_tokens",
                  "temperature", "top_p", "top_k", "min_p", "seed", "stop", "system",
                  "prompt_template", "id_column", "memory_utilization", "prefill_batch_size",
-                 "prefill_step_size")
-JOB_FILE_PATHS = ("input", "output", "job_dir")
+                 "prefill_step_size", "cache_dir", "no_prefix_cache")
+JOB_FILE_PATHS = ("input", "output", "job_dir", "cache_dir")
 
 
 def _fail(message: str, hint: str | None = None) -> click.ClickException:
@@ -65,6 +66,10 @@ def cli() -> None:
               show_default=True, help="fraction of device memory for weights + KV caches")
 @click.option("--prefill-batch-size", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--prefill-step-size", type=click.IntRange(min=1), default=2048, show_default=True)
+@click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
+              envvar="BATCHRUN_CACHE_DIR",
+              help="prefix-cache folder [default: $BATCHRUN_CACHE_DIR or ~/.cache/batchrun]")
+@click.option("--no-prefix-cache", is_flag=True, help="neither read nor write the prefix cache")
 @click.option("--restart", is_flag=True, help="discard earlier progress of this job")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @click.option("--debug", is_flag=True, help="show tracebacks")
@@ -101,7 +106,9 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
         config = EngineConfig(max_concurrency=opts["max_concurrency"],
                               prefill_batch_size=opts["prefill_batch_size"],
                               prefill_step_size=opts["prefill_step_size"],
-                              memory_utilization=opts["memory_utilization"])
+                              memory_utilization=opts["memory_utilization"],
+                              prefix_cache=not opts["no_prefix_cache"],
+                              cache_dir=str(opts["cache_dir"] or default_cache_dir()))
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     job_dir = opts["job_dir"] or (job_file.parent / job_file.stem if job_file
@@ -140,6 +147,11 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
     if report["rows_failed"]:
         click.echo(f"errors:     {spec.errors_path}", err=True)
     click.echo(f"report:     {job_dir / 'report.html'}", err=True)
+    cache_stats = engine.get_cache_stats()
+    if cache_stats and (cache_stats["hits"] or cache_stats["stored_blocks"]):
+        click.echo(f"prefix cache: {cache_stats['hit_tokens']:,} prompt tokens reused "
+                   f"({cache_stats['hits']:,} hits, {cache_stats['misses']:,} misses, "
+                   f"{cache_stats['disk_loaded_blocks']:,} blocks from disk)", err=True)
 
 
 def _quote(arg: str) -> str:
@@ -244,7 +256,7 @@ def bench(model: str | None, shape: str | None, workload: str, rows: int, max_to
     if unknown:
         raise click.BadParameter(f"unknown systems: {', '.join(sorted(unknown))}",
                                  param_hint="--systems")
-    lm = b.model_for(model, shape, cache_dir())
+    lm = b.model_for(model, shape, default_cache_dir())
     w = b.make_workload(lm.tokenizer, workload, rows, max_tokens)
     info = b.machine()
     click.echo(f"{info['date']} · {info['device']} {info['device_name']} · {info['cpus']} cpus · "
@@ -261,8 +273,67 @@ def bench(model: str | None, shape: str | None, workload: str, rows: int, max_to
                                           option=orjson.OPT_INDENT_2))
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("BATCHRUN_CACHE_DIR") or Path.home() / ".cache" / "batchrun")
+@cli.group()
+def cache() -> None:
+    """Inspect or empty the on-disk prefix cache."""
+
+
+_cache_dir_option = click.option(
+    "--cache-dir", type=click.Path(path_type=Path), default=None, envvar="BATCHRUN_CACHE_DIR",
+    help="prefix-cache folder [default: $BATCHRUN_CACHE_DIR or ~/.cache/batchrun]")
+
+
+@cache.command("ls")
+@_cache_dir_option
+def cache_ls(cache_dir: Path | None) -> None:
+    """One line per model: blocks, size, last use."""
+    import time
+
+    from batchrun.cache.disk import cache_summary
+
+    root = cache_dir or default_cache_dir()
+    entries = cache_summary(root)
+    if not entries:
+        click.echo(f"{root}: no prefix-cache entries")
+        return
+    for e in entries:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(e["last_used"])) \
+            if e["last_used"] else "-"
+        click.echo(f"{e['model'][:16]}  {e['blocks']:>7,} blocks  {e['bytes'] / 2**20:>9.1f} MiB"
+                   f"  last used {when}  {e['folder']}")
+
+
+@cache.command("stats")
+@_cache_dir_option
+def cache_stats(cache_dir: Path | None) -> None:
+    """Totals over all models."""
+    from batchrun.cache.disk import cache_summary
+
+    root = cache_dir or default_cache_dir()
+    entries = cache_summary(root)
+    blocks = sum(e["blocks"] for e in entries)
+    size = sum(e["bytes"] for e in entries)
+    click.echo(f"folder: {root}")
+    click.echo(f"models: {len(entries)}")
+    click.echo(f"blocks: {blocks:,}")
+    click.echo(f"size:   {size / 2**20:,.1f} MiB")
+
+
+@cache.command("clear")
+@_cache_dir_option
+@click.option("--yes", is_flag=True, help="do not ask")
+def cache_clear(cache_dir: Path | None, yes: bool) -> None:
+    """Delete every prefix-cache entry."""
+    import shutil
+
+    root = (cache_dir or default_cache_dir()) / "prefix"
+    if not root.exists():
+        click.echo("nothing to clear")
+        return
+    if not yes:
+        click.confirm(f"delete {root}?", abort=True)
+    shutil.rmtree(root)
+    click.echo(f"cleared {root}")
 
 
 def _load_engine(model: str | None, config: EngineConfig, debug: bool):

@@ -31,7 +31,7 @@ def test_sample_prompts_give_one_ordered_result_per_row(tmp_path):
         assert set(res) == {"custom_id", "index", "text", "finish_reason", "usage"}
         assert res["finish_reason"] in ("stop", "length")
         assert res["usage"]["completion_tokens"] <= row["max_tokens"]
-        assert res["usage"]["prompt_tokens"] > 0 and res["usage"]["cached_tokens"] == 0
+        assert 0 <= res["usage"]["cached_tokens"] < res["usage"]["prompt_tokens"]
     assert "BLAS:" in result.output and "device: cpu" in result.output
     assert f"{len(rows)} done, 0 failed" in result.output
 

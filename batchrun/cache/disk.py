@@ -14,19 +14,19 @@ index is rebuilt from the files.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import logging
 import os
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import mlx.core as mx
 import orjson
 
 from batchrun.cache.prefix import Block, block_keys
-from batchrun.job.state import write_atomic
+from batchrun.io.files import write_atomic
 
 log = logging.getLogger("batchrun.cache")
 FORMAT = "batchrun-prefix-1"
@@ -112,16 +112,25 @@ class DiskCache:
                     "tokens": orjson.dumps(list(block.tokens)).decode(),
                     "block_size": str(self.block_size), "layers": str(len(block.keys)),
                     "checksum": _checksum(arrays)}
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-            mx.save_safetensors(str(tmp), arrays, metadata=meta)
-            os.replace(tmp, path)
+            # mx.save_safetensors insists on the suffix; the leading dot hides it from globs.
+            tmp = path.with_name(f".{block.key.hex()}.{os.getpid()}.tmp.safetensors")
+            try:
+                mx.save_safetensors(str(tmp), arrays, metadata=meta)
+                os.replace(tmp, path)
+            except OSError as e:  # a full or read-only cache never stops a job
+                tmp.unlink(missing_ok=True)
+                log.warning("prefix cache: could not write %s: %s", path.name, e)
+                return
             written[block.key.hex()] = {"bytes": path.stat().st_size,
                                         "tokens": self.block_size, "used": time.time()}
             self.saved += 1
         if written:
-            with self._locked_index() as index:
-                index.update(written)
-                self._evict(index)
+            try:
+                with self._locked_index() as index:
+                    index.update(written)
+                    self._evict(index)
+            except OSError as e:
+                log.warning("prefix cache: could not update the index: %s", e)
 
     def _evict(self, index: dict) -> None:
         total = sum(e["bytes"] for e in index.values())
@@ -137,7 +146,7 @@ class DiskCache:
         except OSError:
             return 0.0
 
-    @contextmanager
+    @contextlib.contextmanager
     def _locked_index(self):
         with open(self.folder / "index.lock", "a+b") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -157,7 +166,12 @@ class DiskCache:
     def _rebuild_index(self) -> dict:
         return {p.stem: {"bytes": p.stat().st_size, "tokens": self.block_size,
                          "used": p.stat().st_mtime}
-                for p in self.folder.glob("*.safetensors")}
+                for p in entry_files(self.folder)}
+
+
+def entry_files(folder: Path) -> list[Path]:
+    """The block files of a model folder (not temporary files of writes in progress)."""
+    return [p for p in folder.glob("*.safetensors") if not p.name.startswith(".")]
 
 
 def _chain(parent: bytes, tokens: tuple[int, ...]) -> bytes:
@@ -166,17 +180,15 @@ def _chain(parent: bytes, tokens: tuple[int, ...]) -> bytes:
 
 
 def _touch(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # another process may have evicted it meanwhile
         os.utime(path)
-    except OSError:
-        pass
 
 
 def cache_summary(cache_dir: Path) -> list[dict]:
     """One entry per model folder under `cache_dir/prefix`: blocks, bytes, last use."""
     out = []
     for folder in sorted((Path(cache_dir) / "prefix").glob("*")):
-        files = list(folder.glob("*.safetensors"))
+        files = entry_files(folder)
         out.append({"model": folder.name, "blocks": len(files),
                     "bytes": sum(f.stat().st_size for f in files),
                     "last_used": max((f.stat().st_mtime for f in files), default=None),

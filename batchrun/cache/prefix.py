@@ -137,6 +137,9 @@ class PrefixCache:
             self.on_store(new)
         return new
 
+    def put(self, block: Block) -> None:
+        self._put(block)
+
     def _put(self, block: Block) -> None:
         if block.key in self.blocks:
             return

@@ -12,15 +12,19 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
+from batchrun.cache import make_prefix_cache
+from batchrun.cache.disk import DiskCache, entry_files
 from batchrun.cache.prefix import Block, PrefixCache
 from batchrun.engine.memory import MemoryBudget, kv_budget, measure_kv
 from batchrun.engine.prompt import PromptBuilder
@@ -69,8 +73,9 @@ class Engine:
 
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None,
                  context_length: int | None = None, model_path: str = "",
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, model_fingerprint: str = ""):
         self.model = model
+        self.model_fingerprint = model_fingerprint
         self.prefix_cache = prefix_cache
         self._key_counts: Counter[bytes] = Counter()  # prefix keys of queued + running rows
         self._leading: Counter[bytes] = Counter()  # keys that admitted leaders are computing
@@ -107,7 +112,57 @@ class Engine:
         from batchrun.models import load_model
 
         loaded = load_model(model_path)
-        return cls(loaded.model, loaded.tokenizer, config, loaded.context_length, loaded.path)
+        config = config or EngineConfig()
+        engine = cls(loaded.model, loaded.tokenizer, config, loaded.context_length, loaded.path,
+                     model_fingerprint=loaded.fingerprint)
+        if config.prefix_cache and engine.memory.footprint.per_sequence == 0:
+            # Only growing KV caches can be cut into blocks (not recurrent or rotating ones).
+            engine.prefix_cache = make_prefix_cache(
+                loaded.fingerprint, int(engine.memory.budget * config.prefix_cache_fraction),
+                Path(config.cache_dir) if config.cache_dir else None, config.prefix_block_size)
+        return engine
+
+    # -- the seed's cache API ------------------------------------------------------------------
+
+    def get_cache_stats(self) -> dict | None:
+        """Prefix-cache figures: hits, misses, tokens served, blocks and bytes in memory."""
+        cache = self.prefix_cache
+        if cache is None:
+            return None
+        disk = cache.disk
+        return {**dataclasses.asdict(cache.stats), "blocks": len(cache.blocks),
+                "bytes": cache.nbytes, "budget_bytes": cache.budget_bytes,
+                "block_size": cache.block_size,
+                "disk_folder": str(disk.folder) if disk else None,
+                "disk_skipped": disk.skipped if disk else 0}
+
+    def clear_prefix_cache(self) -> None:
+        """Drop the in-memory prefix cache (the disk copy stays)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
+    def save_cache_to_disk(self, cache_dir: str | Path) -> int:
+        """Write every in-memory block to `cache_dir`; returns how many were written."""
+        cache = self.prefix_cache
+        if cache is None:
+            return 0
+        disk = DiskCache(Path(cache_dir), self.model_fingerprint, cache.block_size)
+        disk.save(list(cache.blocks.values()))
+        return disk.saved
+
+    def load_cache_from_disk(self, cache_dir: str | Path) -> int:
+        """Load this model's blocks from `cache_dir` into memory; returns how many loaded."""
+        cache = self.prefix_cache
+        if cache is None:
+            return 0
+        disk = DiskCache(Path(cache_dir), self.model_fingerprint, cache.block_size)
+        loaded = 0
+        for path in sorted(entry_files(disk.folder), key=lambda p: p.stat().st_mtime):
+            block = disk.load(bytes.fromhex(path.stem))
+            if block is not None:
+                cache.put(block)
+                loaded += 1
+        return loaded
 
     # -- adding work ---------------------------------------------------------------------------
 
@@ -372,8 +427,8 @@ class Engine:
         self.stats.completion_tokens += len(seq.tokens)
         return Output(
             request_id=seq.id, text=text, token_ids=seq.tokens, finish_reason=reason,
-            prompt_tokens=len(seq.prompt), cached_tokens=seq.cached, logprobs=seq.logprobs, top_logprobs=seq.top_logprobs,
-            ttft_s=seq.ttft, error=error,
+            prompt_tokens=len(seq.prompt), cached_tokens=seq.cached, logprobs=seq.logprobs,
+            top_logprobs=seq.top_logprobs, ttft_s=seq.ttft, error=error,
         )
 
     def _account(self, decoded: int) -> None:

@@ -93,6 +93,12 @@ class EngineConfig:
     memory_utilization: float = 0.85
     # An absolute KV-cache budget in bytes; overrides memory_utilization when set.
     kv_budget_bytes: int | None = None
+    # Prefix cache: on by default; its memory share of the KV budget; its disk folder
+    # (None: no disk). Blocks are prefix_block_size tokens.
+    prefix_cache: bool = True
+    prefix_cache_fraction: float = 0.2
+    prefix_block_size: int = 64
+    cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_concurrency is None or self.max_concurrency >= 1, "max_concurrency",

@@ -11,8 +11,6 @@ import batchrun
 from batchrun.job.state import read_json, write_atomic
 
 CHUNK = 1 << 20
-MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-               "chat_template.json", "generation_config.json", "special_tokens_map.json")
 
 
 def file_sha256(path: Path) -> str:
@@ -26,34 +24,6 @@ def file_sha256(path: Path) -> str:
 def input_fingerprint(path: Path) -> dict:
     return {"path": str(Path(path).resolve()), "size": path.stat().st_size,
             "sha256": file_sha256(path)}
-
-
-def model_fingerprint(model_path: str) -> str:
-    """Changes when weights, tokenizer, chat template, dtype or the MLX / mlx-lm versions do.
-
-    Weight files are hashed by name, size and their first and last megabyte: cheap for a
-    multi-GB model, and any re-conversion or re-quantization changes them.
-    """
-    import mlx.core as mx
-    import mlx_lm
-
-    h = hashlib.sha256(f"mlx={mx.__version__};mlx-lm={mlx_lm.__version__}".encode())
-    root = Path(model_path)
-    if not root.is_dir():
-        h.update(model_path.encode())
-        return h.hexdigest()
-    for name in MODEL_FILES:
-        p = root / name
-        if p.exists():
-            h.update(name.encode() + p.read_bytes())
-    for p in sorted(root.glob("*.safetensors")):
-        size = p.stat().st_size
-        h.update(f"{p.name}:{size}".encode())
-        with open(p, "rb") as f:
-            h.update(f.read(CHUNK))
-            f.seek(max(0, size - CHUNK))
-            h.update(f.read(CHUNK))
-    return h.hexdigest()
 
 
 def new_manifest(input_fp: dict, model: str, model_path: str, model_fp: str, options: dict,

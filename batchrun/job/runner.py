@@ -139,7 +139,7 @@ class JobRunner:
         if self.rows_total == 0:
             raise JobError(f"{spec.input} has no rows")
         new = mf.new_manifest(mf.input_fingerprint(spec.input), self.model_name,
-                              self.model_path, mf.model_fingerprint(self.model_path),
+                              self.model_path, self.engine.model_fingerprint,
                               spec.options(), spec.output)
         old = mf.load_manifest(spec.job_dir)
         if old is not None and not spec.restart:

@@ -11,32 +11,12 @@ from __future__ import annotations
 
 import fcntl
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import orjson
 
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write temp, fsync, rename, fsync the folder: the file is old or new, never torn."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+from batchrun.io.files import write_atomic  # noqa: F401  (re-exported)
 
 
 def read_json(path: Path) -> dict | None:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+CHUNK = 1 << 20
+MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+               "chat_template.json", "generation_config.json", "special_tokens_map.json")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO_MODEL = REPO_ROOT / "sample_data" / "demo-model"
 DEMO_NAME = "demo"
@@ -19,6 +23,7 @@ class LoadedModel:
     config: dict
     path: str
     context_length: int | None
+    fingerprint: str
 
 
 def resolve(model: str | None) -> str:
@@ -42,7 +47,8 @@ def load_model(model: str | None) -> LoadedModel:
 
     path = resolve(model)
     m, tokenizer, config = load(path, return_config=True)
-    return LoadedModel(m, tokenizer, config, path, context_length(config))
+    return LoadedModel(m, tokenizer, config, path, context_length(config),
+                       model_fingerprint(path))
 
 
 def context_length(config: dict) -> int | None:
@@ -51,3 +57,31 @@ def context_length(config: dict) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def model_fingerprint(model_path: str) -> str:
+    """Changes when weights, tokenizer, chat template, dtype or the MLX / mlx-lm versions do.
+
+    Weight files are hashed by name, size and their first and last megabyte: cheap for a
+    multi-GB model, and any re-conversion or re-quantization changes them.
+    """
+    import mlx.core as mx
+    import mlx_lm
+
+    h = hashlib.sha256(f"mlx={mx.__version__};mlx-lm={mlx_lm.__version__}".encode())
+    root = Path(model_path)
+    if not root.is_dir():
+        h.update(model_path.encode())
+        return h.hexdigest()
+    for name in MODEL_FILES:
+        p = root / name
+        if p.exists():
+            h.update(name.encode() + p.read_bytes())
+    for p in sorted(root.glob("*.safetensors")):
+        size = p.stat().st_size
+        h.update(f"{p.name}:{size}".encode())
+        with open(p, "rb") as f:
+            h.update(f.read(CHUNK))
+            f.seek(max(0, size - CHUNK))
+            h.update(f.read(CHUNK))
+    return h.hexdigest()

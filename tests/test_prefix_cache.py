@@ -1,0 +1,203 @@
+"""Prefix cache: shared prefixes computed once, reused from memory and from disk, and never a
+different output because of it, even with a corrupted cache folder."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import orjson
+import pytest
+from click.testing import CliRunner
+
+from batchrun.cache import make_prefix_cache
+from batchrun.cache.disk import DiskCache, entry_files
+from batchrun.cache.prefix import Block, PrefixCache, block_keys
+from batchrun.cli import cli
+from batchrun.engine.engine import Engine
+from batchrun.engine.request import EngineConfig, SamplingParams
+
+INSTRUCTION = ("You label product reviews as positive, negative or neutral. "
+               + " ".join(f"Example {i}: the kettle is sturdy and quiet, so it is positive."
+                          for i in range(12)))
+FP = "ab" * 32
+
+
+def chat_rows(n):
+    return [[{"role": "system", "content": INSTRUCTION},
+             {"role": "user", "content": f"Review {i}: it is {'great' if i % 2 else 'awful'}"}]
+            for i in range(n)]
+
+
+def engine(demo, cache=None, **config):
+    return Engine(demo.model, demo.tokenizer, EngineConfig(**config), demo.context_length,
+                  prefix_cache=cache, model_fingerprint=FP)
+
+
+def run_chat(e, rows, max_tokens=8):
+    for messages in rows:
+        e.add_request(messages=messages, params=SamplingParams(max_tokens=max_tokens))
+    return e.run()
+
+
+def test_keys_chain_through_the_prefix():
+    a = block_keys(list(range(8)), 4, b"root")
+    b = block_keys([9, 9, 9, 9] + list(range(4, 8)), 4, b"root")
+    assert len(a) == 2 and a[0] != b[0]
+    assert a[1] != b[1]  # same tokens in block 2, different prefix: a different key
+    assert block_keys(list(range(8)), 4, b"other-model") != a
+
+
+def test_shared_prefix_is_computed_once_and_outputs_do_not_change(demo):
+    rows = chat_rows(12)
+    plain = run_chat(engine(demo, max_concurrency=6), rows)
+    cache = make_prefix_cache(FP, 1 << 30, None, block_size=32)
+    cached_engine = engine(demo, cache, max_concurrency=6)
+    outs = run_chat(cached_engine, rows)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    # One leader computed the shared blocks; the 11 others reused all of them.
+    assert outs[0].cached_tokens == 0
+    shared = outs[1].cached_tokens
+    assert shared >= 0.8 * outs[1].prompt_tokens and shared % 32 == 0
+    assert all(o.cached_tokens == shared for o in outs[1:])
+    assert cache.stats.hits == 11 and cache.stats.misses == 1
+    assert cached_engine.stats.cached_tokens == 11 * shared
+    stats = cached_engine.get_cache_stats()
+    assert stats["blocks"] == shared // 32 and stats["hit_tokens"] == 11 * shared
+    # A second pass is served entirely from the cache, with the same outputs.
+    again = run_chat(cached_engine, rows)
+    assert [o.token_ids for o in again] == [o.token_ids for o in plain]
+    assert all(o.cached_tokens == shared for o in again)
+
+
+def test_unique_prompts_store_nothing(demo):
+    cache = make_prefix_cache(FP, 1 << 30, None, block_size=16)
+    e = engine(demo, cache)
+    for i in range(4):
+        e.add_request(f"Row {i} " + "unique words here " * 10, SamplingParams(max_tokens=3))
+    e.run()
+    assert len(cache.blocks) == 0  # no other row shared them: not worth caching
+
+
+def test_lru_eviction_by_bytes():
+    def block(i):
+        k = mx.zeros((1, 2, 4, 8))
+        return Block(bytes([i]) * 16, b"", (i,) * 4, [k], [k])
+
+    size = block(0).nbytes
+    cache = PrefixCache(root=b"r", budget_bytes=3 * size, block_size=4)
+    for i in range(3):
+        cache.put(block(i))
+    cache._get(bytes([0]) * 16)  # touch 0: 1 is now the least recently used
+    cache.put(block(3))
+    assert set(cache.blocks) == {bytes([i]) * 16 for i in (0, 2, 3)}
+    assert cache.nbytes == 3 * size and cache.stats.evicted_blocks == 1
+
+
+def test_disk_round_trip_and_corrupt_entries_are_skipped(demo, tmp_path):
+    rows = chat_rows(6)
+    plain = run_chat(engine(demo, max_concurrency=3), rows)
+    first = make_prefix_cache(FP, 1 << 30, tmp_path, block_size=32)
+    run_chat(engine(demo, first, max_concurrency=3), rows)
+    files = sorted(entry_files(first.disk.folder))
+    assert len(files) == len(first.blocks) >= 4
+
+    # A fresh process's view: everything comes from disk, outputs unchanged.
+    warm = make_prefix_cache(FP, 1 << 30, tmp_path, block_size=32)
+    outs = run_chat(engine(demo, warm, max_concurrency=3), rows)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert warm.stats.disk_loaded_blocks == len(files) and outs[0].cached_tokens > 0
+
+    # Corrupt the cache: truncate one entry, flip bytes in the tensors of another, plant a
+    # foreign model's entry under a valid name.
+    files[0].write_bytes(files[0].read_bytes()[:100])
+    data = bytearray(files[1].read_bytes())
+    data[-20:] = bytes(20)
+    files[1].write_bytes(bytes(data))
+    other = DiskCache(tmp_path, "cd" * 32, 32)
+    foreign = other.path(bytes.fromhex(files[2].stem))
+    foreign.write_bytes(files[2].read_bytes())
+    files[2].write_bytes(foreign.read_bytes().replace(FP.encode(), ("cd" * 32).encode()))
+
+    damaged = make_prefix_cache(FP, 1 << 30, tmp_path, block_size=32)
+    outs = run_chat(engine(demo, damaged, max_concurrency=3), rows)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert damaged.disk.skipped >= 1  # the first block is corrupt: nothing after it is used
+
+
+def test_disk_cap_evicts_least_recently_used(tmp_path):
+    disk = DiskCache(tmp_path, FP, 4, cap_bytes=1)
+    k = mx.ones((1, 1, 4, 2))
+    first = Block(block_keys([1, 2, 3, 4], 4, disk.root)[0], disk.root, (1, 2, 3, 4), [k], [k])
+    disk.save([first])
+    assert not entry_files(disk.folder)  # over the cap at once: evicted
+    disk.cap_bytes = 10**9
+    disk.save([first])
+    assert disk.load(first.key).tokens == (1, 2, 3, 4)
+    index = orjson.loads((disk.folder / "index.json").read_bytes())
+    assert list(index) == [first.key.hex()]
+
+
+def write_rows(path: Path, n: int) -> Path:
+    path.write_text("".join(orjson.dumps({"custom_id": f"r{i}", "messages": m,
+                                          "max_tokens": 6}).decode() + "\n"
+                            for i, m in enumerate(chat_rows(n))))
+    return path
+
+
+def cli_run(*args):
+    result = CliRunner().invoke(cli, ["run", *map(str, args), "--quiet"])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def test_cli_second_run_is_served_from_disk(tmp_path):
+    rows = write_rows(tmp_path / "rows.jsonl", 10)
+    cache = tmp_path / "cache"
+    cli_run(rows, "--job-dir", tmp_path / "a", "--cache-dir", cache)
+    cli_run(rows, "--job-dir", tmp_path / "b", "--cache-dir", cache)
+    cli_run(rows, "--job-dir", tmp_path / "c", "--no-prefix-cache", "--cache-dir",
+            tmp_path / "unused")
+    a, b, c = ([orjson.loads(x) for x in (tmp_path / j / "results.jsonl").read_bytes()
+                .splitlines()] for j in "abc")
+    assert [r["text"] for r in a] == [r["text"] for r in b] == [r["text"] for r in c]
+    assert all(r["usage"]["cached_tokens"] > 0 for r in b)  # every row, the first too
+    assert all(r["usage"]["cached_tokens"] == 0 for r in c)
+    assert not (tmp_path / "unused").exists()
+    report = orjson.loads((tmp_path / "b" / "report.json").read_bytes())
+    assert report["cached_prompt_tokens"] == sum(r["usage"]["cached_tokens"] for r in b)
+    assert report["cached_prompt_tokens"] >= 0.8 * report["prompt_tokens"]
+
+    out = CliRunner().invoke(cli, ["cache", "ls", "--cache-dir", str(cache)]).output
+    assert "blocks" in out
+    out = CliRunner().invoke(cli, ["cache", "stats", "--cache-dir", str(cache)]).output
+    assert "models: 1" in out
+    result = CliRunner().invoke(cli, ["cache", "clear", "--yes", "--cache-dir", str(cache)])
+    assert result.exit_code == 0 and not (cache / "prefix").exists()
+
+
+def test_two_processes_share_one_cache_folder(tmp_path):
+    rows = write_rows(tmp_path / "rows.jsonl", 12)
+    cache = tmp_path / "cache"
+    procs = [subprocess.Popen([sys.executable, "-m", "batchrun", "run", str(rows), "--job-dir",
+                               str(tmp_path / f"j{i}"), "--cache-dir", str(cache), "--quiet"],
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    texts = [[orjson.loads(x)["text"] for x in (tmp_path / f"j{i}" / "results.jsonl")
+              .read_bytes().splitlines()] for i in range(2)]
+    assert texts[0] == texts[1]
+    folder = next((cache / "prefix").iterdir())
+    assert not [p for p in folder.iterdir() if p.name.endswith(".tmp.safetensors")]
+    index = orjson.loads((folder / "index.json").read_bytes())
+    assert set(index) == {p.stem for p in entry_files(folder)}
+
+
+@pytest.mark.parametrize("budget", [0])
+def test_a_zero_budget_cache_still_gives_the_same_outputs(demo, budget):
+    rows = chat_rows(4)
+    plain = run_chat(engine(demo), rows)
+    tiny = make_prefix_cache(FP, budget, None, block_size=32)
+    outs = run_chat(engine(demo, tiny), rows)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
