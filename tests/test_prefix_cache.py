@@ -201,3 +201,19 @@ def test_a_zero_budget_cache_still_gives_the_same_outputs(demo, budget):
     tiny = make_prefix_cache(FP, budget, None, block_size=32)
     outs = run_chat(engine(demo, tiny), rows)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+
+
+def test_seed_cache_api_counterparts(demo, tmp_path):
+    rows = chat_rows(4)
+    cache = make_prefix_cache(FP, 1 << 30, None, block_size=32)
+    e = engine(demo, cache)
+    run_chat(e, rows)
+    n = e.get_cache_stats()["blocks"]
+    assert n > 0
+    assert e.save_cache_to_disk(tmp_path) == n  # save_cache_to_disk
+    e.clear_prefix_cache()  # clear_prefix_cache
+    assert e.get_cache_stats()["blocks"] == 0
+    assert e.load_cache_from_disk(tmp_path) == n  # load_cache_from_disk
+    outs = run_chat(e, rows)
+    assert all(o.cached_tokens > 0 for o in outs)
+    assert engine(demo).get_cache_stats() is None  # no cache, no stats
