@@ -34,3 +34,31 @@ def test_the_demo_model_output_depends_on_the_input(demo):
     a = generate(demo.model, demo.tokenizer, "Explain recursion", max_tokens=8)
     b = generate(demo.model, demo.tokenizer, "My new kettle", max_tokens=8)
     assert a != b
+
+
+def test_model_fingerprint_follows_weights_tokenizer_template_and_dtype(tmp_path):
+    import shutil
+
+    from batchrun.models import model_fingerprint
+
+    model = tmp_path / "m"
+    shutil.copytree(DEMO_MODEL, model)
+    base = model_fingerprint(str(model))
+    assert model_fingerprint(str(DEMO_MODEL)) == base  # a copy is the same model
+    seen = {base}
+    config = model / "tokenizer_config.json"
+    data = json.loads(config.read_text())
+    data["chat_template"] += " "
+    config.write_text(json.dumps(data))
+    seen.add(model_fingerprint(str(model)))
+    (model / "tokenizer.json").write_text((model / "tokenizer.json").read_text() + " ")
+    seen.add(model_fingerprint(str(model)))
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["torch_dtype"] = "float16"
+    (model / "config.json").write_text(json.dumps(cfg))
+    seen.add(model_fingerprint(str(model)))
+    weights = bytearray((model / "model.safetensors").read_bytes())
+    weights[-1] ^= 1
+    (model / "model.safetensors").write_bytes(bytes(weights))
+    seen.add(model_fingerprint(str(model)))
+    assert len(seen) == 5
