@@ -338,9 +338,15 @@ def cache_clear(cache_dir: Path | None, yes: bool) -> None:
 
 def _load_engine(model: str | None, config: EngineConfig, debug: bool):
     from batchrun.engine.engine import Engine
+    from batchrun.models import ModelError
 
     try:
         return Engine.load(model, config)
+    except ModelError as e:
+        if debug:
+            raise
+        raise _fail(str(e), "pass an mlx-lm model folder or a Hugging Face id with --model") \
+            from e
     except Exception as e:
         if debug:
             raise

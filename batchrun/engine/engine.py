@@ -7,7 +7,10 @@ Invariants:
 - sampling randomness belongs to the request (see sampling.py), so a row's text does not depend
   on which other rows share its batch;
 - with a prefix cache, a prompt prefix shared by queued or running rows is computed by one of
-  them (the leader) while the others wait for its blocks, then reuse them.
+  them (the leader) while the others wait for its blocks, then reuse them;
+- an exception while stepping loses no row: the running rows restart in two halves, each run
+  on its own, halving again on failure; a row fails only when it fails alone. An out-of-memory
+  error halves the concurrency instead.
 """
 
 from __future__ import annotations
@@ -91,13 +94,10 @@ class Engine:
             budget = kv_budget(model, self.config.memory_utilization)
         self.memory = MemoryBudget(measure_kv(model), budget)
         self.max_concurrency = self.config.max_concurrency or MAX_AUTO_CONCURRENCY
-        self._gen = BatchGenerator(
-            model,
-            stop_tokens=[[t] for t in self._eos],
-            completion_batch_size=self.max_concurrency,
-            prefill_batch_size=min(self.config.prefill_batch_size, self.max_concurrency),
-            prefill_step_size=self.config.prefill_step_size,
-        )
+        self._gen = self._new_generator()
+        self._retry_groups: deque[list[Sequence]] = deque()  # rows to rerun after a fault
+        self._isolated: set[int] = set()  # ids of the retry group now running on its own
+        self.faults = 0
         self._ids = itertools.count()
         self._waiting: deque[Sequence] = deque()
         self._running: dict[int, Sequence] = {}  # by BatchGenerator uid
@@ -106,6 +106,15 @@ class Engine:
         self.stats = EngineStats()
         self._started = time.perf_counter()
         self._last_sample = -TIMELINE_INTERVAL_S
+
+    def _new_generator(self) -> BatchGenerator:
+        return BatchGenerator(
+            self.model,
+            stop_tokens=[[t] for t in self._eos],
+            completion_batch_size=self.max_concurrency,
+            prefill_batch_size=min(self.config.prefill_batch_size, self.max_concurrency),
+            prefill_step_size=self.config.prefill_step_size,
+        )
 
     @classmethod
     def load(cls, model_path: str, config: EngineConfig | None = None) -> Engine:
@@ -117,9 +126,11 @@ class Engine:
                      model_fingerprint=loaded.fingerprint)
         if config.prefix_cache and engine.memory.footprint.per_sequence == 0:
             # Only growing KV caches can be cut into blocks (not recurrent or rotating ones).
+            share = int(engine.memory.budget * config.prefix_cache_fraction)
+            engine.memory.budget -= share  # the cached blocks live in the same memory
             engine.prefix_cache = make_prefix_cache(
-                loaded.fingerprint, int(engine.memory.budget * config.prefix_cache_fraction),
-                Path(config.cache_dir) if config.cache_dir else None, config.prefix_block_size)
+                loaded.fingerprint, share, Path(config.cache_dir) if config.cache_dir else None,
+                config.prefix_block_size)
         return engine
 
     # -- the seed's cache API ------------------------------------------------------------------
@@ -236,12 +247,19 @@ class Engine:
             if seq.id == request_id:
                 self._finish(uid, FinishReason.ABORT)
                 return True
+        for group in self._retry_groups:
+            for seq in group:
+                if seq.id == request_id:
+                    group.remove(seq)
+                    self._release_prefix(seq)
+                    self._finished.append(self._output(seq, FinishReason.ABORT))
+                    return True
         return False
 
     # -- running -------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._finished)
+        return bool(self._waiting or self._running or self._finished or self._retry_groups)
 
     @property
     def num_running(self) -> int:
@@ -260,9 +278,13 @@ class Engine:
         """Admit what fits, run one decode step (and a prefill chunk); return finished outputs."""
         self._admit()
         if self._running:
-            _, responses = self._gen.next()
-            self._collect(responses)
-            self._account(len(responses))
+            try:
+                _, responses = self._gen.next()
+            except Exception as e:  # a fault in the model or in mlx: rerun, never lose rows
+                self._recover(e)
+            else:
+                self._collect(responses)
+                self._account(len(responses))
         finished, self._finished = self._finished, []
         self.stats.requests_finished += len(finished)
         return finished
@@ -280,7 +302,54 @@ class Engine:
             self.add_request(p, params)
         return self.run()
 
+    def _recover(self, error: Exception) -> None:
+        """Restart the running rows on a fresh generator: in halves, or at lower concurrency."""
+        self.faults += 1
+        rows = sorted(self._running.values(), key=lambda seq: seq.id)
+        self._running.clear()
+        self._isolated.clear()
+        self._gen.close()
+        for seq in rows:
+            self.memory.remove(seq.id)
+            self._restart(seq)
+        if _out_of_memory(error) and len(rows) > 1:
+            self.max_concurrency = max(1, len(rows) // 2)
+            self._gen = self._new_generator()
+            self._waiting.extendleft(reversed(rows))
+            return
+        self._gen = self._new_generator()
+        if len(rows) == 1:
+            seq = rows[0]
+            self._release_prefix(seq)
+            self._finished.append(self._output(
+                seq, FinishReason.ERROR,
+                error=f"the engine failed on this row alone: {type(error).__name__}: {error}"))
+            return
+        half = len(rows) // 2
+        self._retry_groups.extendleft([rows[half:], rows[:half]])
+
+    def _restart(self, seq: Sequence) -> None:
+        """Forget what a sequence generated; it will be run again from its prompt."""
+        if seq.store_upto and self.prefix_cache is not None:
+            size = self.prefix_cache.block_size
+            self._leading.subtract(seq.block_keys[seq.cached // size: seq.store_upto // size])
+            self._leading = +self._leading
+        seq.tokens, seq.uid, seq.ttft, seq.cut_text = [], None, None, None
+        seq.stop_scan_from = seq.cached = seq.store_upto = 0
+        seq.detokenizer = self.tokenizer.detokenizer
+        seq.logprobs = [] if seq.params.logprobs else None
+        seq.top_logprobs = [] if seq.params.top_logprobs else None
+
     def _admit(self) -> None:
+        if self._isolated:
+            return  # a retry group runs on its own until it is done
+        if self._retry_groups:
+            group = self._retry_groups.popleft()
+            self._isolated = {seq.id for seq in group}
+            for seq in group:
+                self.memory.add(seq.id, seq.length)
+            self._insert([(seq, self._cached_blocks(seq) or []) for seq in group])
+            return
         batch: list[tuple[Sequence, list[Block]]] = []
         deferred: list[Sequence] = []
         while (self._waiting and len(self._running) + len(batch) < self.max_concurrency
@@ -293,8 +362,10 @@ class Engine:
             self.memory.add(seq.id, seq.length)
             batch.append((seq, blocks))
         self._waiting.extendleft(reversed(deferred))
-        if not batch:
-            return
+        if batch:
+            self._insert(batch)
+
+    def _insert(self, batch: list[tuple[Sequence, list[Block]]]) -> None:
         # mlx-lm prefills queued prompts in insertion order, prefill_batch_size at a time, each
         # group right-padded to its longest prompt: inserting by length wastes less on padding.
         batch.sort(key=lambda item: len(item[0].prompt) - item[0].cached)
@@ -410,6 +481,7 @@ class Engine:
         if not removed:
             self._gen.remove([uid])
         self.memory.remove(seq.id)
+        self._isolated.discard(seq.id)
         self._release_prefix(seq)
         self._finished.append(self._output(seq, reason))
 
@@ -454,6 +526,11 @@ class Engine:
 
     def close(self) -> None:
         self._gen.close()
+
+
+def _out_of_memory(error: Exception) -> bool:
+    return isinstance(error, MemoryError) or "out of memory" in str(error).lower() \
+        or "bad_alloc" in str(error)
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int | None:

@@ -56,12 +56,18 @@ class RowRejected(Exception):
         self.code = code
 
 
-def row_id(value: Any, index: int, id_column: str | None) -> str:
+def explicit_id(value: Any, id_column: str | None) -> str | None:
+    """The row's own id: `custom_id`, else `id`, else the `--id-column` column."""
     if isinstance(value, dict):
         for key in ("custom_id", "id", id_column):
             if key and value.get(key) is not None:
                 return str(value[key])
-    return str(index)
+    return None
+
+
+def row_id(value: Any, index: int, id_column: str | None) -> str:
+    found = explicit_id(value, id_column)
+    return str(index) if found is None else found
 
 
 def build_task(raw_value: Any, index: int, line: int, prompts: PromptBuilder,
@@ -73,6 +79,10 @@ def build_task(raw_value: Any, index: int, line: int, prompts: PromptBuilder,
         return RowError(index, line, custom_id, e.code, str(e))
     except PromptError as e:
         return RowError(index, line, custom_id, "invalid_prompt", str(e))
+    except (TypeError, ValueError, AttributeError, KeyError) as e:
+        # A shape no check above foresaw: still this row's error, never the job's.
+        return RowError(index, line, custom_id, "invalid_row",
+                        f"the row could not be read ({type(e).__name__}: {e})")
 
 
 def _build(value: Any, index: int, line: int, custom_id: str, prompts: PromptBuilder,
@@ -83,7 +93,7 @@ def _build(value: Any, index: int, line: int, custom_id: str, prompts: PromptBui
     body = value
     if "body" in value or "url" in value:
         url = value.get("url")
-        openai = OPENAI_URLS.get(url)
+        openai = OPENAI_URLS.get(url) if isinstance(url, str) else None
         if openai is None:
             raise RowRejected("unsupported_url", f"url must be one of {', '.join(OPENAI_URLS)}, "
                                                  f"got {url!r}")

@@ -31,7 +31,7 @@ from batchrun.job import manifest as mf
 from batchrun.job import report as rp
 from batchrun.job.feeder import Feeder
 from batchrun.job.records import error_record, result_record
-from batchrun.job.rows import RowError, RowOptions, Task, build_task
+from batchrun.job.rows import RowError, RowOptions, Task, build_task, explicit_id
 from batchrun.job.state import JobLock, JobState, Progress
 
 COMMIT_INTERVAL_S = 1.0
@@ -125,6 +125,7 @@ class JobRunner:
         self._done: OrderedDict[bytes, Output] = OrderedDict()
         self._interrupted = False
         self.deduplicated = 0
+        self._seen_ids: dict[bytes, int] = {}  # hash of an explicit row id -> its first line
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -176,6 +177,7 @@ class JobRunner:
         self._start_progress = dataclasses.replace(progress)
         status = "completed"
         sink = OrderedSink(spec.results_path, spec.errors_path, progress)
+        self._remember_ids(progress.next_index)
         target = engine.max_concurrency + engine.config.prefill_batch_size
         feeder = Feeder(read_rows(spec.input, progress.next_index), self._build,
                         lookahead=2 * target)
@@ -226,7 +228,33 @@ class JobRunner:
     def _build(self, raw: RawRow) -> Task | RowError:
         if raw.error is not None:
             return RowError(raw.index, raw.line, str(raw.index), "invalid_json", raw.error)
+        duplicate = self._check_id(raw)
+        if duplicate is not None:
+            return duplicate
         return build_task(raw.value, raw.index, raw.line, self.engine.prompts, self.spec.rows)
+
+    def _check_id(self, raw: RawRow) -> RowError | None:
+        """A row whose explicit id an earlier row already used is an error (the later one)."""
+        custom_id = explicit_id(raw.value, self.spec.rows.id_column)
+        if custom_id is None:
+            return None
+        key = hashlib.blake2b(custom_id.encode(), digest_size=8).digest()
+        first = self._seen_ids.setdefault(key, raw.line)
+        if first == raw.line:
+            return None
+        return RowError(raw.index, raw.line, custom_id, "duplicate_custom_id",
+                        f"custom_id {custom_id!r} is already used by the row on line {first}: "
+                        "give every row its own id")
+
+    def _remember_ids(self, upto: int) -> None:
+        """On resume: the ids of rows already done, so later duplicates are still caught."""
+        if upto == 0:
+            return
+        for raw in read_rows(self.spec.input, 0):
+            if raw.index >= upto:
+                break
+            if raw.error is None:
+                self._check_id(raw)
 
     def _submit(self, item: Task | RowError, sink: OrderedSink, bar) -> None:
         if isinstance(item, RowError):

@@ -42,10 +42,29 @@ def resolve(model: str | None) -> str:
     return model
 
 
+class ModelError(ValueError):
+    """The model cannot be loaded; the message says why and what to pass instead."""
+
+
+def check_local(path: str) -> None:
+    """Clear errors for local folders, before mlx-lm treats a bad path as a hub id."""
+    p = Path(path).expanduser()
+    looks_local = p.is_absolute() or path.startswith((".", "~")) or p.exists()
+    if not looks_local:
+        return  # a Hugging Face id
+    if not p.exists():
+        raise ModelError(f"model folder not found: {path}")
+    if not p.is_dir() or not (p / "config.json").is_file():
+        raise ModelError(f"{path} is not an mlx-lm model folder (it has no config.json)")
+    if not any(p.glob("*.safetensors")):
+        raise ModelError(f"{path} has no .safetensors weights: convert it with mlx_lm.convert")
+
+
 def load_model(model: str | None) -> LoadedModel:
     from mlx_lm.utils import load
 
     path = resolve(model)
+    check_local(path)
     m, tokenizer, config = load(path, return_config=True)
     return LoadedModel(m, tokenizer, config, path, context_length(config),
                        model_fingerprint(path))

@@ -1,0 +1,172 @@
+"""Dirty input and fatal problems: every row accounted for once, clear errors, no tracebacks."""
+
+import errno
+from pathlib import Path
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from batchrun.cli import cli
+from batchrun.engine.prompt import PromptBuilder
+from batchrun.io.jsonl import read_jsonl
+from batchrun.io.results import OrderedSink
+from batchrun.job.rows import RowError, RowOptions, Task, build_task
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def jsonl(path):
+    return [orjson.loads(x) for x in Path(path).read_bytes().splitlines() if x.strip()]
+
+
+def test_every_kind_of_bad_row_gets_one_error_naming_line_and_field(tmp_path):
+    long_prompt = "word " * 9000  # past the demo model's 8,192-token context
+    lines = [
+        '{"prompt": "fine", "custom_id": "a"}',
+        '{"prompt": "broken',
+        "null",
+        "[1, 2]",
+        '"just a string"',
+        '{"no_prompt_here": 1}',
+        '{"prompt": 42}',
+        '{"prompt": ""}',
+        orjson.dumps({"prompt": long_prompt}).decode(),
+        '{"messages": [{"role": "wizard", "content": "hi"}]}',
+        '{"prompt": "x", "max_tokens": -1}',
+        '{"prompt": "x", "temperature": -0.5}',
+        '{"prompt": "x", "top_p": 1.5}',
+        '{"prompt": "dup", "custom_id": "a"}',
+        '{"custom_id": "o1", "url": "/v1/embeddings", "body": {"input": "x"}}',
+        "",
+        "   ",
+        '{"prompt": "fine too", "custom_id": "b"}',
+    ]
+    raw = ("\n".join(lines) + "\n").encode() + b'{"prompt": "\xff\xfe"}\n'
+    path = tmp_path / "dirty.jsonl"
+    path.write_bytes(raw)
+    result = invoke("run", path, "--job-dir", tmp_path / "job", "--max-tokens", "3", "--quiet")
+    assert result.exit_code == 0, result.output
+    results = jsonl(tmp_path / "job" / "results.jsonl")
+    errors = jsonl(tmp_path / "job" / "errors.jsonl")
+    assert [r["custom_id"] for r in results] == ["a", "b"]
+    by_line = {e["line"]: e["error"] for e in errors}
+    expect = {2: "not valid JSON", 3: "null", 4: "a list", 5: "a string", 6: "prompt",
+              7: "prompt must be a string", 8: "prompt is empty", 9: "context",
+              10: "role", 11: "max_tokens", 12: "temperature", 13: "top_p",
+              14: "already used by the row on line 1", 15: "url must be one of",
+              19: "UTF-8"}
+    assert set(by_line) == set(expect)
+    for line, fragment in expect.items():
+        assert fragment in by_line[line]["message"], (line, by_line[line])
+    assert by_line[14]["code"] == "duplicate_custom_id"
+    # Every non-blank line is accounted for exactly once.
+    indices = sorted([r["index"] for r in results] + [e["index"] for e in errors])
+    assert indices == list(range(17))
+
+
+def test_parquet_without_the_needed_column_is_a_row_error_per_row(tmp_path):
+    path = tmp_path / "nocol.parquet"
+    pq.write_table(pa.table({"text": ["a", "b"]}), path)
+    result = invoke("run", path, "--job-dir", tmp_path / "job", "--quiet")
+    assert result.exit_code == 0, result.output
+    errors = jsonl(tmp_path / "job" / "errors.jsonl")
+    assert [e["line"] for e in errors] == [1, 2]
+    assert all("--prompt-template" in e["error"]["message"] for e in errors)
+
+
+def test_fatal_problems_exit_1_with_a_hint_and_no_traceback(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "hi"}\n')
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    not_a_model = tmp_path / "not-a-model"
+    not_a_model.mkdir()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    cases = [
+        (["run", tmp_path / "missing.jsonl"], "input file not found"),
+        (["run", empty, "--job-dir", tmp_path / "j1"], "has no rows"),
+        (["run", rows, "--model", tmp_path / "nope", "--job-dir", tmp_path / "j2"],
+         "model folder not found"),
+        (["run", rows, "--model", not_a_model, "--job-dir", tmp_path / "j3"],
+         "not an mlx-lm model folder"),
+        (["run", rows, "--job-dir", blocker / "job"], "Not a directory"),
+    ]
+    for args, message in cases:
+        result = invoke(*args, "--quiet")
+        assert result.exit_code == 1, (args, result.output)
+        assert message in result.output, (args, result.output)
+        assert "Traceback" not in result.output
+
+
+def test_disk_full_stops_cleanly_and_the_rerun_completes(tmp_path, monkeypatch):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(orjson.dumps({"prompt": f"row {i} " * (1 + i % 4),
+                                          "custom_id": f"r{i}"}).decode() + "\n"
+                            for i in range(40)))
+    job = tmp_path / "job"
+    real_sync = OrderedSink.sync
+    calls = {"n": 0}
+
+    def full_disk(self):
+        calls["n"] += 1
+        if calls["n"] >= 2:
+            raise OSError(errno.ENOSPC, "No space left on device", str(job / "results.jsonl"))
+        return real_sync(self)
+
+    monkeypatch.setattr("batchrun.job.runner.COMMIT_INTERVAL_S", 0.0)
+    monkeypatch.setattr(OrderedSink, "sync", full_disk)
+    result = invoke("run", rows, "--job-dir", job, "--max-tokens", "4", "--quiet")
+    assert result.exit_code == 1
+    assert "No space left on device" in result.output and "resume with" in result.output
+    assert "Traceback" not in result.output
+    monkeypatch.setattr(OrderedSink, "sync", real_sync)
+    result = invoke("run", rows, "--job-dir", job, "--max-tokens", "4", "--quiet")
+    assert result.exit_code == 0, result.output
+    results = jsonl(job / "results.jsonl")
+    assert [r["custom_id"] for r in results] == [f"r{i}" for i in range(40)]
+
+
+# -- property tests of the readers ------------------------------------------------------------
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=60), max_size=30))
+def test_jsonl_reader_accounts_for_every_non_blank_line_whatever_the_bytes(tmp_path_factory,
+                                                                         chunks):
+    data = b"\n".join(c.replace(b"\n", b" ").replace(b"\r", b" ") for c in chunks)
+    path = tmp_path_factory.mktemp("h") / "in.jsonl"
+    path.write_bytes(data)
+    rows = list(read_jsonl(path))
+    non_blank = [i + 1 for i, line in enumerate(data.split(b"\n")) if line.strip()]
+    assert [r.line for r in rows] == non_blank
+    assert [r.index for r in rows] == list(range(len(non_blank)))
+    assert all((r.error is None) != (r.value is None and r.error is not None) or
+               r.error is None for r in rows)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.sampled_from(["prompt", "messages", "role", "content", "max_tokens",
+                                       "temperature", "top_p", "seed", "stop", "custom_id",
+                                       "url", "body", "tools", "logprobs", "top_k"]) | st.text(),
+                      children, max_size=5),
+    max_leaves=12)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(json_values)
+def test_any_json_value_becomes_a_task_or_a_row_error_never_an_exception(demo, value):
+    out = build_task(value, 0, 1, PromptBuilder(demo.tokenizer), RowOptions())
+    assert isinstance(out, Task | RowError)
+    if isinstance(out, RowError):
+        assert out.message and out.line == 1
