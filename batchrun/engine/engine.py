@@ -52,7 +52,7 @@ class Sequence:
     prompt: list[int]
     params: SamplingParams
     stop_sequences: StopSequences
-    detokenizer: Any
+    detokenizer: Any  # incremental, only for rows with stop strings (None otherwise)
     max_tokens: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
@@ -61,7 +61,6 @@ class Sequence:
     admitted_at: float = 0.0
     ttft: float | None = None
     stop_scan_from: int = 0  # text offset before which no stop string can start
-    cut_text: str | None = None  # the text before a stop string, once one was found
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of the prompt
     cached: int = 0  # prompt tokens served from the prefix cache
     store_upto: int = 0  # prompt tokens whose blocks this sequence computes and stores
@@ -209,7 +208,8 @@ class Engine:
             stops = StopSequences([(t,) for t in (*self._eos, *params.stop_token_ids)])
         seq = Sequence(
             id=request_id, prompt=prompt, params=params, stop_sequences=stops,
-            detokenizer=self.tokenizer.detokenizer, max_tokens=max_tokens,
+            detokenizer=self.tokenizer.detokenizer if params.stop else None,
+            max_tokens=max_tokens,
             logprobs=[] if params.logprobs else None,
             top_logprobs=[] if params.top_logprobs else None,
         )
@@ -334,9 +334,9 @@ class Engine:
             size = self.prefix_cache.block_size
             self._leading.subtract(seq.block_keys[seq.cached // size: seq.store_upto // size])
             self._leading = +self._leading
-        seq.tokens, seq.uid, seq.ttft, seq.cut_text = [], None, None, None
+        seq.tokens, seq.uid, seq.ttft = [], None, None
         seq.stop_scan_from = seq.cached = seq.store_upto = 0
-        seq.detokenizer = self.tokenizer.detokenizer
+        seq.detokenizer = self.tokenizer.detokenizer if seq.params.stop else None
         seq.logprobs = [] if seq.params.logprobs else None
         seq.top_logprobs = [] if seq.params.top_logprobs else None
 
@@ -445,8 +445,7 @@ class Engine:
                 continue
             seq.tokens.append(r.token)
             self._record_logprobs(seq, r)
-            seq.detokenizer.add_token(r.token)
-            if seq.params.stop and self._cut_at_stop(seq):
+            if seq.detokenizer is not None and self._stop_string_seen(seq, r.token):
                 self._finish(r.uid, FinishReason.STOP, removed=r.finish_reason is not None)
             elif r.finish_reason is not None:
                 reason = FinishReason.STOP if r.finish_reason == "stop" else FinishReason.LENGTH
@@ -465,16 +464,14 @@ class Engine:
             pairs = sorted(zip(top.tolist(), values.tolist(), strict=True), key=lambda p: -p[1])
             seq.top_logprobs.append(pairs)
 
-    def _cut_at_stop(self, seq: Sequence) -> bool:
-        """Find the earliest stop string in the new text; cut the text before it."""
+    def _stop_string_seen(self, seq: Sequence, token: int) -> bool:
+        """Detokenize incrementally and look for a stop string in the new text only."""
+        seq.detokenizer.add_token(token)
         text = seq.detokenizer.text
         hit = _find_stop(text, seq.params.stop, seq.stop_scan_from)
         longest = max(len(s) for s in seq.params.stop)
         seq.stop_scan_from = max(0, len(text) - longest + 1)
-        if hit is None:
-            return False
-        seq.cut_text = text[:hit]
-        return True
+        return hit is not None
 
     def _finish(self, uid: int, reason: FinishReason, removed: bool = False) -> None:
         seq = self._running.pop(uid)
@@ -486,14 +483,12 @@ class Engine:
         self._finished.append(self._output(seq, reason))
 
     def _output(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> Output:
-        text = seq.cut_text
-        if text is None:
-            seq.detokenizer.finalize()
-            text = seq.detokenizer.text
-            # Text held back by the detokenizer may complete a stop string only now.
-            hit = _find_stop(text, seq.params.stop, seq.stop_scan_from)
-            if hit is not None:
-                text, reason = text[:hit], FinishReason.STOP
+        # One decode of the whole output (as mlx-lm's batch_generate does): far cheaper than
+        # detokenizing every token of every row on the step loop.
+        text = self.tokenizer.decode(seq.tokens) if seq.tokens else ""
+        hit = _find_stop(text, seq.params.stop, 0)
+        if hit is not None:  # also one that only the last, held-back tokens completed
+            text, reason = text[:hit], FinishReason.STOP
         if seq.ttft is not None:
             self.stats.ttfts.append(seq.ttft)
         self.stats.completion_tokens += len(seq.tokens)
