@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import platform
 import random
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mlx.core as mx
 
+from batchrun.cache import make_prefix_cache
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import EngineConfig, SamplingParams
 from batchrun.models import LoadedModel, load_model
@@ -46,18 +48,36 @@ class Measurement:
         return (self.prompt_tokens + self.completion_tokens) / self.wall_s
 
 
+WORKLOADS = {
+    # name: (prompt tokens low, high, new tokens low, high or None for --max-tokens)
+    "short": (16, 32, None),
+    "mixed": (8, 1500, (16, 256)),
+    "mixed512": (8, 512, None),
+    "labeling": (None, None, None),
+}
+
+
 def make_workload(tokenizer, name: str, rows: int, max_tokens: int, seed: int = 0) -> Workload:
-    """Prompts cut from the synthetic corpus; `mixed`: 8-512 prompt tokens, `short`: 16-32."""
+    """Prompts cut from the synthetic corpus: `short` 16-32 tokens; `mixed` 8-1,500 tokens with
+    16-256 new tokens each; `mixed512` 8-512 tokens; `labeling` a shared ~1,000-token
+    instruction followed by a short row text."""
     rng = random.Random(seed)
     ids = [t for line in corpus(seed=seed + 1, n=20000)
            for t in tokenizer.encode(line + " ", add_special_tokens=False)]
-    low, high = {"mixed": (8, 512), "short": (16, 32)}[name]
-    prompts = []
+    if name == "labeling":
+        shared, prompts = ids[:1000], []
+        for _ in range(rows):
+            start = rng.randrange(1000, len(ids) - 40)
+            prompts.append(shared + ids[start: start + rng.randint(12, 40)])
+        return Workload(name, prompts, [max_tokens] * rows)
+    low, high, new = WORKLOADS[name]
+    prompts, new_tokens = [], []
     for _ in range(rows):
         n = rng.randint(low, high)
         start = rng.randrange(0, len(ids) - n)
         prompts.append(ids[start: start + n])
-    return Workload(name, prompts, [max_tokens] * rows)
+        new_tokens.append(rng.randint(*new) if new else max_tokens)
+    return Workload(name, prompts, new_tokens)
 
 
 def run_sequential(lm: LoadedModel, w: Workload) -> Measurement:
@@ -83,23 +103,37 @@ def run_batch_generate(lm: LoadedModel, w: Workload, concurrency: int) -> Measur
                        completion)
 
 
-def run_batchrun(lm: LoadedModel, w: Workload, concurrency: int) -> Measurement:
+def run_batchrun(lm: LoadedModel, w: Workload, concurrency: int, cache_dir: Path | None = None,
+                 name: str = "batchrun engine") -> Measurement:
+    """batchrun's engine; with `cache_dir`, a prefix cache backed by that folder."""
+    cache = None
+    if cache_dir is not None:
+        cache = make_prefix_cache(lm.fingerprint, 1 << 30, cache_dir)
     engine = Engine(lm.model, lm.tokenizer, EngineConfig(max_concurrency=concurrency),
-                    lm.context_length)
+                    lm.context_length, prefix_cache=cache, model_fingerprint=lm.fingerprint)
     start = time.perf_counter()
     for prompt, max_tokens in zip(w.prompts, w.max_tokens, strict=True):
         engine.add_tokens(prompt, SamplingParams(max_tokens=max_tokens))
     outs = engine.run()
     wall = time.perf_counter() - start
     engine.close()
-    return Measurement("batchrun engine", wall, w.prompt_tokens,
-                       sum(o.completion_tokens for o in outs))
+    return Measurement(name, wall, w.prompt_tokens, sum(o.completion_tokens for o in outs))
+
+
+def run_prefix_cold_warm(lm: LoadedModel, w: Workload, concurrency: int) -> list[Measurement]:
+    """A cold prefix cache (empty folder), then a warm one: a fresh in-memory cache over the
+    folder the cold run filled, as a second process would see it."""
+    with tempfile.TemporaryDirectory() as folder:
+        cold = run_batchrun(lm, w, concurrency, Path(folder), "batchrun + prefix cache (cold)")
+        warm = run_batchrun(lm, w, concurrency, Path(folder), "batchrun + prefix cache (warm)")
+    return [cold, warm]
 
 
 SYSTEMS = {
-    "sequential": lambda lm, w, c: run_sequential(lm, w),
-    "batch_generate": run_batch_generate,
-    "batchrun": run_batchrun,
+    "sequential": lambda lm, w, c: [run_sequential(lm, w)],
+    "batch_generate": lambda lm, w, c: [run_batch_generate(lm, w, c)],
+    "batchrun": lambda lm, w, c: [run_batchrun(lm, w, c)],
+    "prefix": run_prefix_cold_warm,
 }
 
 
@@ -127,7 +161,7 @@ def benchmark(lm: LoadedModel, w: Workload, systems: list[str], concurrency: int
     results = []
     for name in systems:
         mx.clear_cache()
-        results.append(SYSTEMS[name](lm, w, concurrency))
+        results.extend(SYSTEMS[name](lm, w, concurrency))
     return results
 
 
@@ -139,9 +173,11 @@ def table(results: list[Measurement], baseline: str = "mlx-lm stream_generate (s
         rows.append(f"{r.system:40} {r.wall_s:8.2f} {r.tokens_per_s:10.1f} "
                     f"{r.total_tokens_per_s:10.1f} {base.wall_s / r.wall_s:6.2f}x")
     by = {r.system: r for r in results}
-    if "mlx-lm batch_generate" in by and "batchrun engine" in by:
-        ratio = by["mlx-lm batch_generate"].wall_s / by["batchrun engine"].wall_s
-        rows.append(f"batchrun vs batch_generate: {ratio:.2f}x")
+    if "mlx-lm batch_generate" in by:
+        for r in results:
+            if r.system.startswith("batchrun"):
+                ratio = by["mlx-lm batch_generate"].wall_s / r.wall_s
+                rows.append(f"{r.system} vs batch_generate: {ratio:.2f}x")
     return "\n".join(rows)
 
 

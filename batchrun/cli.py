@@ -235,13 +235,17 @@ def report(job_dir: Path) -> None:
 @click.option("--model", default=None, help="mlx-lm model folder or Hugging Face id")
 @click.option("--shape", default=None, help="random-weight model of a named shape: "
               "demo, 150m, llama-1b (built once into the cache folder)")
-@click.option("--workload", type=click.Choice(["mixed", "short"]), default="mixed",
-              show_default=True)
+@click.option("--workload", type=click.Choice(["short", "mixed", "mixed512", "labeling"]),
+              default="mixed", show_default=True,
+              help="short: 16-32 prompt tokens; mixed: 8-1,500 prompt and 16-256 new tokens; "
+                   "mixed512: 8-512 prompt tokens; labeling: a shared 1,000-token prefix")
 @click.option("--rows", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--max-concurrency", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--systems", default="sequential,batch_generate,batchrun", show_default=True,
-              help="comma-separated: sequential, batch_generate, batchrun")
+@click.option("--systems", default="sequential,batch_generate,batchrun,prefix",
+              show_default=True,
+              help="comma-separated: sequential, batch_generate, batchrun, prefix (batchrun "
+                   "with a cold, then a warm prefix cache)")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None,
               help="also write the figures to this JSON file")
 def bench(model: str | None, shape: str | None, workload: str, rows: int, max_tokens: int,
@@ -258,11 +262,13 @@ def bench(model: str | None, shape: str | None, workload: str, rows: int, max_to
                                  param_hint="--systems")
     lm = b.model_for(model, shape, default_cache_dir())
     w = b.make_workload(lm.tokenizer, workload, rows, max_tokens)
+    max_tokens_text = (f"{min(w.max_tokens)}-{max(w.max_tokens)}"
+                       if len(set(w.max_tokens)) > 1 else str(max_tokens))
     info = b.machine()
     click.echo(f"{info['date']} · {info['device']} {info['device_name']} · {info['cpus']} cpus · "
                f"BLAS {info['blas']}\nmodel {shape or model or 'demo'}: {w.name} workload, "
-               f"{rows} rows, {w.prompt_tokens:,} prompt tokens, {max_tokens} new tokens each, "
-               f"concurrency {max_concurrency}")
+               f"{rows} rows, {w.prompt_tokens:,} prompt tokens, {max_tokens_text} new tokens "
+               f"each, concurrency {max_concurrency}")
     results = b.benchmark(lm, w, names, max_concurrency)
     click.echo(b.table(results))
     if json_out:
