@@ -330,10 +330,7 @@ class Engine:
 
     def _restart(self, seq: Sequence) -> None:
         """Forget what a sequence generated; it will be run again from its prompt."""
-        if seq.store_upto and self.prefix_cache is not None:
-            size = self.prefix_cache.block_size
-            self._leading.subtract(seq.block_keys[seq.cached // size: seq.store_upto // size])
-            self._leading = +self._leading
+        self._drop_leadership(seq)
         seq.tokens, seq.uid, seq.ttft = [], None, None
         seq.stop_scan_from = seq.cached = seq.store_upto = 0
         seq.detokenizer = self.tokenizer.detokenizer if seq.params.stop else None
@@ -410,13 +407,17 @@ class Engine:
 
     def _store_prefix(self, uid: int, seq: Sequence) -> None:
         """After a leader's prefill: copy its shared blocks into the prefix cache."""
-        cache = self.prefix_cache
-        n_cached = seq.cached // cache.block_size
-        n_store = seq.store_upto // cache.block_size
         layer_caches, _ = self._gen.extract_cache([uid])[uid]
-        cache.store(seq.prompt, [(c.keys, c.values) for c in layer_caches], seq.store_upto)
-        self._leading.subtract(seq.block_keys[n_cached:n_store])
-        self._leading = +self._leading  # drop zero counts
+        self.prefix_cache.store(seq.prompt, [(c.keys, c.values) for c in layer_caches],
+                                seq.store_upto)
+        self._drop_leadership(seq)
+
+    def _drop_leadership(self, seq: Sequence) -> None:
+        """The blocks this row was to compute for others are no longer promised by it."""
+        if seq.store_upto and self.prefix_cache is not None:
+            size = self.prefix_cache.block_size
+            self._leading.subtract(seq.block_keys[seq.cached // size: seq.store_upto // size])
+            self._leading = +self._leading  # drop zero counts
         seq.store_upto = 0
 
     def _release_prefix(self, seq: Sequence) -> None:
@@ -424,11 +425,7 @@ class Engine:
             return
         self._key_counts.subtract(seq.block_keys)
         self._key_counts = +self._key_counts
-        if seq.store_upto:  # a leader that ended before its prefill was stored
-            size = self.prefix_cache.block_size
-            self._leading.subtract(seq.block_keys[seq.cached // size: seq.store_upto // size])
-            self._leading = +self._leading
-            seq.store_upto = 0
+        self._drop_leadership(seq)  # a leader that ended before its prefill was stored
 
     def _collect(self, responses: list) -> None:
         now = time.perf_counter()
