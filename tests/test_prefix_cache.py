@@ -162,6 +162,8 @@ def test_cli_second_run_is_served_from_disk(tmp_path):
                 .splitlines()] for j in "abc")
     assert [r["text"] for r in a] == [r["text"] for r in b] == [r["text"] for r in c]
     assert all(r["usage"]["cached_tokens"] > 0 for r in b)  # every row, the first too
+    # The cold run computed the shared instruction once: one leader, everyone else reused it.
+    assert sum(r["usage"]["cached_tokens"] == 0 for r in a) == 1
     assert all(r["usage"]["cached_tokens"] == 0 for r in c)
     assert not (tmp_path / "unused").exists()
     report = orjson.loads((tmp_path / "b" / "report.json").read_bytes())

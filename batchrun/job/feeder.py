@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 from batchrun.io.jsonl import RawRow
@@ -46,12 +47,22 @@ class Feeder:
         finally:
             self._queue.put(_DONE)
 
-    def take(self, n: int, block: bool) -> list[Task | RowError]:
-        """Up to n ready items; waits for the first one only when `block` is set."""
+    def take(self, n: int, block: bool, linger: float = 0.0) -> list[Task | RowError]:
+        """Up to n ready items. With `block`, wait for the first one, then up to `linger`
+        seconds for more: an idle engine loses nothing by waiting, and rows admitted together
+        let the engine see which of them share a prompt prefix."""
         items: list[Task | RowError] = []
+        deadline = None
         while len(items) < n and not self.exhausted:
+            if not items:
+                wait, timeout = block, None
+            else:
+                if deadline is None:
+                    deadline = time.monotonic() + (linger if block else 0.0)
+                timeout = deadline - time.monotonic()
+                wait = timeout > 0
             try:
-                item = self._queue.get(block=block and not items, timeout=None)
+                item = self._queue.get(block=wait, timeout=timeout if wait else None)
             except queue.Empty:
                 break
             if item is _DONE:

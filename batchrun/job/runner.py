@@ -35,6 +35,7 @@ from batchrun.job.rows import RowError, RowOptions, Task, build_task, explicit_i
 from batchrun.job.state import JobLock, JobState, Progress
 
 COMMIT_INTERVAL_S = 1.0
+FILL_LINGER_S = 0.05  # an idle engine waits this long for more rows to admit together
 PROGRESS_INTERVAL_S = 0.5
 DONE_CACHE_SIZE = 4096  # recent outputs kept for identical rows further down the input
 
@@ -189,7 +190,9 @@ class JobRunner:
             previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
         try:
             while not self._interrupted:
-                for item in feeder.take(target - engine.num_waiting, block=not engine.has_work()):
+                idle = not engine.has_work()
+                for item in feeder.take(target - engine.num_waiting, block=idle,
+                                        linger=FILL_LINGER_S):
                     self._submit(item, sink, bar)
                 if not engine.has_work() and feeder.exhausted:
                     break
