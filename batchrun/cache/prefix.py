@@ -106,11 +106,8 @@ class PrefixCache:
             block = self.fallback(key)
             if block is not None:
                 self.stats.disk_loaded_blocks += 1
-                self._put(block)
+                self.put(block)
         return block
-
-    def contains(self, key: bytes) -> bool:
-        return key in self.blocks
 
     def store(self, tokens: list[int], layer_kv: list[tuple[mx.array, mx.array]],
               upto: int) -> list[Block]:
@@ -127,7 +124,7 @@ class PrefixCache:
                 vs = [mx.array(v[:, :, lo:hi, :]) for _, v in layer_kv]
                 mx.eval(ks, vs)
                 block = Block(key, parent, tuple(tokens[lo:hi]), ks, vs)
-                self._put(block)
+                self.put(block)
                 new.append(block)
                 self.stats.stored_blocks += 1
             else:
@@ -138,9 +135,6 @@ class PrefixCache:
         return new
 
     def put(self, block: Block) -> None:
-        self._put(block)
-
-    def _put(self, block: Block) -> None:
         if block.key in self.blocks:
             return
         self.blocks[block.key] = block

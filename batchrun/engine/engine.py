@@ -237,20 +237,14 @@ class Engine:
 
     def abort(self, request_id: int) -> bool:
         """Stop a queued or running request; it finishes with reason `abort`."""
-        for seq in self._waiting:
-            if seq.id == request_id:
-                self._waiting.remove(seq)
-                self._release_prefix(seq)
-                self._finished.append(self._output(seq, FinishReason.ABORT))
-                return True
         for uid, seq in self._running.items():
             if seq.id == request_id:
                 self._finish(uid, FinishReason.ABORT)
                 return True
-        for group in self._retry_groups:
-            for seq in group:
+        for queue in (self._waiting, *self._retry_groups):  # not admitted yet
+            for seq in queue:
                 if seq.id == request_id:
-                    group.remove(seq)
+                    queue.remove(seq)
                     self._release_prefix(seq)
                     self._finished.append(self._output(seq, FinishReason.ABORT))
                     return True
@@ -312,21 +306,21 @@ class Engine:
         for seq in rows:
             self.memory.remove(seq.id)
             self._restart(seq)
-        if _out_of_memory(error) and len(rows) > 1:
+        lower = _out_of_memory(error) and len(rows) > 1
+        if lower:
             self.max_concurrency = max(1, len(rows) // 2)
-            self._gen = self._new_generator()
+        self._gen = self._new_generator()  # sized by the (possibly lowered) concurrency
+        if lower:
             self._waiting.extendleft(reversed(rows))
-            return
-        self._gen = self._new_generator()
-        if len(rows) == 1:
+        elif len(rows) == 1:
             seq = rows[0]
             self._release_prefix(seq)
             self._finished.append(self._output(
                 seq, FinishReason.ERROR,
                 error=f"the engine failed on this row alone: {type(error).__name__}: {error}"))
-            return
-        half = len(rows) // 2
-        self._retry_groups.extendleft([rows[half:], rows[:half]])
+        else:
+            half = len(rows) // 2
+            self._retry_groups.extendleft([rows[half:], rows[:half]])
 
     def _restart(self, seq: Sequence) -> None:
         """Forget what a sequence generated; it will be run again from its prompt."""
