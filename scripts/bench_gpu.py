@@ -2,7 +2,12 @@
 128-token prompts, 256 new tokens; batchrun vs mlx-lm batch_generate vs HF transformers
 `generate` (PyTorch), plus the decode roofline from the measured memory bandwidth.
 
-    python scripts/bench_gpu.py OUT_DIR [--rows 1024] [--systems batchrun,batch_generate,hf]
+    python scripts/bench_gpu.py OUT_DIR [--rows 1024] [--concurrency 256,1024] [--profile]
+        [--systems batchrun,batchrun_mlx_step,batch_generate,hf]
+
+`batchrun_mlx_step` is batchrun on mlx-lm's own GenerationBatch instead of engine/batch.py's.
+`--profile` adds the bare model's decode step (the floor any engine on MLX can reach) and a
+timing of where batchrun's step goes: waiting on the device vs host work.
 
 Runs on a machine with MLX's CUDA (or Metal) backend. Writes OUT_DIR/gpu.json.
 """
@@ -18,6 +23,7 @@ import batchrun  # noqa: F401
 # isort: split
 import mlx.core as mx
 
+import batchrun.engine.engine as engine_module
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import EngineConfig, SamplingParams
 from batchrun.models import load_model
@@ -54,7 +60,7 @@ def run_batchrun(lm, ps, concurrency):
     outs = engine.run()
     wall = time.perf_counter() - start
     return {"wall_s": wall, "tokens": sum(o.completion_tokens for o in outs),
-            "mean_batch": engine.stats.mean_batch_size,
+            "mean_batch": engine.stats.mean_batch_size, "steps": engine.stats.decode_steps,
             "prefill_s": engine.stats.prefill_time, "decode_s": engine.stats.decode_time,
             "peak_memory_gb": mx.get_peak_memory() / 1e9}
 
@@ -92,6 +98,128 @@ def run_hf(model_dir: Path, ps, batch: int):
     return {"wall_s": time.perf_counter() - start, "tokens": tokens, "batch": batch}
 
 
+def bare_decode(lm, batch: int, steps: int = 32) -> dict:
+    """The kernel floor: the model alone decoding `batch` rows (no scheduler, no mask).
+
+    `sync`: build a step's graph, then wait for it (host and device one after the other);
+    `pipelined`: build step i+1 while the device runs step i, as BatchGenerator does;
+    `masked`: pipelined on mlx-lm's BatchKVCache (per-row offsets and an attention mask, as in
+    any continuous batch), to price the mask.
+    """
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+    args = lm.model.args
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    dtype = lm.model.model.embed_tokens.weight.dtype
+    result = {"batch": batch}
+    for mode in ("sync", "pipelined", "masked"):
+        shape = (batch, args.num_key_value_heads, PROMPT_TOKENS + 2 * steps + 256, head_dim)
+        if mode == "masked":
+            cache = [BatchKVCache([0] * batch) for _ in lm.model.layers]
+            for c in cache:
+                c.keys, c.values = mx.zeros(shape, dtype), mx.zeros(shape, dtype)
+                c._idx, c.offset = PROMPT_TOKENS, mx.full((batch,), PROMPT_TOKENS)
+        else:
+            cache = make_prompt_cache(lm.model)
+            for c in cache:
+                c.keys, c.values = mx.zeros(shape, dtype), mx.zeros(shape, dtype)
+                c.offset = PROMPT_TOKENS
+        y = mx.zeros((batch,), mx.int32)
+
+        def step(y, cache=cache):
+            logits = lm.model(y[:, None], cache=cache)[:, -1, :]
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return mx.argmax(logprobs, axis=-1)
+
+        for _ in range(4):
+            y = step(y)
+            mx.eval(y)
+        build = 0.0
+        start = time.perf_counter()
+        if mode == "sync":
+            for _ in range(steps):
+                t = time.perf_counter()
+                y = step(y)
+                build += time.perf_counter() - t
+                mx.eval(y)
+        else:
+            nxt = step(y)
+            mx.async_eval(nxt)
+            for _ in range(steps):
+                t = time.perf_counter()
+                after = step(nxt)
+                build += time.perf_counter() - t
+                mx.async_eval(after)
+                nxt.tolist()
+                nxt = after
+            mx.eval(nxt)
+        total = time.perf_counter() - start
+        result[mode] = {"step_ms": total / steps * 1e3, "host_build_ms": build / steps * 1e3,
+                        "tokens_per_s": batch * steps / total}
+    return result
+
+
+def attention_cost(lm, batch: int, length: int = PROMPT_TOKENS + NEW_TOKENS // 2) -> dict:
+    """One layer's decode attention at `batch` rows: fused without a mask vs with the boolean
+    and additive masks a padded continuous batch needs."""
+    args = lm.model.args
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    dtype = lm.model.model.embed_tokens.weight.dtype
+    q = mx.random.normal((batch, args.num_attention_heads, 1, head_dim)).astype(dtype)
+    k = mx.random.normal((batch, args.num_key_value_heads, length, head_dim)).astype(dtype)
+    v = mx.random.normal(k.shape).astype(dtype)
+    keep = mx.arange(length)[None, None, None, :] >= mx.arange(batch)[:, None, None, None] % 8
+    masks = {"none": None, "bool": keep,
+             "additive": mx.where(keep, 0.0, -mx.inf).astype(dtype)}
+    result = {"batch": batch, "kv_length": length}
+    for name, mask in masks.items():
+        mx.eval(q, k, v, *([mask] if mask is not None else []))
+        for _ in range(3):
+            mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask))
+        start = time.perf_counter()
+        for _ in range(20):
+            mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask))
+        result[f"{name}_ms"] = (time.perf_counter() - start) / 20 * 1e3
+    return result
+
+
+def profile_batchrun(lm, ps, concurrency: int, out: Path) -> dict:
+    """One run with `mx.eval` timed (where Python waits for the device) and a cProfile of the
+    host work (written to OUT/profile_cN.txt; cProfile slows the host part somewhat)."""
+    import cProfile
+    import io
+    import pstats
+
+    real_eval = mx.eval
+    waited = [0.0]
+
+    def timed_eval(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return real_eval(*args, **kwargs)
+        finally:
+            waited[0] += time.perf_counter() - t
+
+    results = {"concurrency": concurrency, "rows": len(ps)}
+    mx.eval = timed_eval
+    try:
+        r = run_batchrun(lm, ps, concurrency)
+    finally:
+        mx.eval = real_eval
+    results |= {"wall_s": r["wall_s"], "steps": r["steps"], "device_wait_s": waited[0],
+                "host_s": r["wall_s"] - waited[0],
+                "host_ms_per_step": (r["wall_s"] - waited[0]) / r["steps"] * 1e3,
+                "wait_ms_per_step": waited[0] / r["steps"] * 1e3}
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run_batchrun(lm, ps, concurrency)
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+    (out / f"profile_c{concurrency}.txt").write_text(text.getvalue())
+    return results
+
+
 def roofline(config: dict, gbs: float, batch: int) -> dict:
     """Decode tokens/s if every step only had to read the weights and the batch's KV."""
     layers, kv_heads = config["num_hidden_layers"], config["num_key_value_heads"]
@@ -114,6 +242,11 @@ def main() -> None:
     parser.add_argument("--concurrency", default="256,1024")
     parser.add_argument("--shape", default="llama-1b")
     parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="measure every (concurrency, system) this many times, interleaved, "
+                             "so no system gains from running after another")
+    parser.add_argument("--profile", action="store_true",
+                        help="also the bare-model decode floor and a cProfile of batchrun")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     NEW_TOKENS = args.new_tokens
@@ -133,19 +266,37 @@ def main() -> None:
     systems = args.systems.split(",")
     # Warm-up: compile kernels.
     run_batchrun(lm, ps[:8], 8)
-    for c in map(int, args.concurrency.split(",")):
-        for name in systems:
-            if name == "batchrun":
-                r = run_batchrun(lm, ps, c)
-            elif name == "batch_generate":
-                r = run_batch_generate(lm, ps, c)
-            else:
-                continue
-            r |= {"system": name, "concurrency": c, "tokens_per_s": r["tokens"] / r["wall_s"],
-                  "roofline": roofline(config, gbs, c)}
-            results["runs"].append(r)
-            print(json.dumps(r), flush=True)
+    plan = [(rep, c, name) for rep in range(args.repeat)
+            for c in map(int, args.concurrency.split(",")) for name in systems]
+    for rep, c, name in plan:
+        if name == "batchrun":
+            r = run_batchrun(lm, ps, c)
+        elif name == "batchrun_mlx_step":  # batchrun on mlx-lm's own GenerationBatch
+            engine_module.LEAN_STEP = False
+            r = run_batchrun(lm, ps, c)
+            engine_module.LEAN_STEP = True
+        elif name == "batch_generate":
+            r = run_batch_generate(lm, ps, c)
+        else:
+            continue
+        r |= {"system": name, "concurrency": c, "rep": rep,
+              "tokens_per_s": r["tokens"] / r["wall_s"],
+              "roofline": roofline(config, gbs, c)}
+        results["runs"].append(r)
+        print(json.dumps(r), flush=True)
+        mx.clear_cache()
+    if args.profile:
+        results["bare"], results["profiles"] = [], []
+        for c in map(int, args.concurrency.split(",")):
+            results["bare"].append(bare_decode(lm, c))
+            print(json.dumps(results["bare"][-1]), flush=True)
+            results.setdefault("attention", []).append(attention_cost(lm, c))
+            print(json.dumps(results["attention"][-1]), flush=True)
             mx.clear_cache()
+            results["profiles"].append(profile_batchrun(lm, ps[:c], c, args.out))
+            print(json.dumps(results["profiles"][-1]), flush=True)
+            mx.clear_cache()
+        (args.out / "gpu.json").write_text(json.dumps(results, indent=2, default=str))
     if "hf" in systems:
         del lm
         mx.clear_cache()

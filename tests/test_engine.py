@@ -189,3 +189,29 @@ def test_invalid_sampling_values_name_the_field():
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=0)
+
+
+def test_lean_decode_step_gives_what_mlx_lm_step_gives(demo, monkeypatch):
+    """batchrun's own decode step (batch.py) against mlx-lm's GenerationBatch: a mixed batch of
+    greedy, seeded and logprob rows yields the same tokens and logprobs."""
+    import batchrun.engine.engine as engine_module
+
+    def run(lean: bool):
+        monkeypatch.setattr(engine_module, "LEAN_STEP", lean)
+        engine = make_engine(demo, max_concurrency=4)  # rows join as others finish
+        for i, p in enumerate(PROMPTS):
+            params = [SamplingParams(max_tokens=8 + i),
+                      SamplingParams(max_tokens=12, temperature=0.9, seed=i),
+                      SamplingParams(max_tokens=10, logprobs=True, top_logprobs=2)][i % 3]
+            engine.add_request(p, params)
+        return engine.run()
+
+    lean, stock = run(True), run(False)
+    assert [o.token_ids for o in lean] == [o.token_ids for o in stock]
+    assert any(o.logprobs for o in lean)
+    for a, b in zip(lean, stock, strict=True):
+        assert (a.logprobs is None) == (b.logprobs is None)
+        if a.logprobs:
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6)
+            assert [[t for t, _ in step] for step in a.top_logprobs] == \
+                [[t for t, _ in step] for step in b.top_logprobs]

@@ -29,6 +29,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from batchrun.cache import make_prefix_cache
 from batchrun.cache.disk import DiskCache, entry_files
 from batchrun.cache.prefix import Block, PrefixCache
+from batchrun.engine.batch import LeanGenerationBatch
 from batchrun.engine.memory import MemoryBudget, kv_budget, measure_kv
 from batchrun.engine.prompt import PromptBuilder
 from batchrun.engine.request import (
@@ -41,6 +42,7 @@ from batchrun.engine.request import (
 from batchrun.engine.sampling import make_sampler
 
 MAX_AUTO_CONCURRENCY = 256
+LEAN_STEP = True  # False: mlx-lm's own GenerationBatch (kept for the side-by-side benchmark)
 TIMELINE_INTERVAL_S = 0.5
 
 
@@ -93,6 +95,7 @@ class Engine:
             budget = kv_budget(model, self.config.memory_utilization)
         self.memory = MemoryBudget(measure_kv(model), budget)
         self.max_concurrency = self.config.max_concurrency or MAX_AUTO_CONCURRENCY
+        self._logprob_uids: set[int] = set()  # running rows that asked for logprobs
         self._gen = self._new_generator()
         self._retry_groups: deque[list[Sequence]] = deque()  # rows to rerun after a fault
         self._isolated: set[int] = set()  # ids of the retry group now running on its own
@@ -107,13 +110,17 @@ class Engine:
         self._last_sample = -TIMELINE_INTERVAL_S
 
     def _new_generator(self) -> BatchGenerator:
-        return BatchGenerator(
+        gen = BatchGenerator(
             self.model,
             stop_tokens=[[t] for t in self._eos],
             completion_batch_size=self.max_concurrency,
             prefill_batch_size=min(self.config.prefill_batch_size, self.max_concurrency),
             prefill_step_size=self.config.prefill_step_size,
         )
+        if LEAN_STEP:
+            gen._generation_batch = LeanGenerationBatch.empty(self.model, gen.sampler,
+                                                              self._logprob_uids)
+        return gen
 
     @classmethod
     def load(cls, model_path: str, config: EngineConfig | None = None) -> Engine:
@@ -302,6 +309,7 @@ class Engine:
         rows = sorted(self._running.values(), key=lambda seq: seq.id)
         self._running.clear()
         self._isolated.clear()
+        self._logprob_uids.clear()
         self._gen.close()
         for seq in rows:
             self.memory.remove(seq.id)
@@ -373,6 +381,8 @@ class Engine:
         for uid, seq in zip(uids, seqs, strict=True):
             seq.uid, seq.admitted_at = uid, now
             self._running[uid] = seq
+            if seq.params.logprobs or seq.params.top_logprobs:
+                self._logprob_uids.add(uid)
             self.stats.prompt_tokens += len(seq.prompt)
             self.stats.cached_tokens += seq.cached
 
@@ -466,6 +476,7 @@ class Engine:
 
     def _finish(self, uid: int, reason: FinishReason, removed: bool = False) -> None:
         seq = self._running.pop(uid)
+        self._logprob_uids.discard(uid)
         if not removed:
             self._gen.remove([uid])
         self.memory.remove(seq.id)

@@ -1,0 +1,140 @@
+"""The decoding batch: mlx-lm's GenerationBatch with the per-row host work taken out of a step.
+
+mlx-lm (pinned 0.32.2) keeps every row's log-probabilities as an array of its own: each step cuts
+the (rows, vocab) matrix into one array per row and evaluates them all, samples row by row as soon
+as two rows have different samplers, and cuts a copy of the KV cache out for every row that
+finishes. Measured on the H200 with 1,024 rows of a 1B model, that host work took ~32 ms of a
+~58 ms step while the model's own step took ~21 ms (BENCHMARKS.md, issue 6).
+
+`LeanGenerationBatch` keeps the matrix whole and hands a row's log-probabilities only to the
+requests that asked for them (`logprob_uids`), samples each group of rows sharing a sampler in
+one call, applies logits processors only to the rows that have some, and leaves a finished row's
+cache alone (the engine cuts out the prefix blocks it stores itself). Tokens, stops and the
+order of operations on the device are mlx-lm's, so outputs are identical.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch, _extend_cache
+
+
+def _matrix(logprobs) -> mx.array | None:
+    """mlx-lm's per-row list (from a freshly prefilled batch) as one matrix."""
+    if isinstance(logprobs, list):
+        return mx.stack(logprobs) if logprobs else None
+    return logprobs
+
+
+class LeanGenerationBatch(GenerationBatch):
+    logprob_uids: set[int]  # rows whose Response carries their log-probabilities
+
+    @classmethod
+    def empty(cls, model, fallback_sampler, logprob_uids: set[int] | None = None):
+        batch = super().empty(model, fallback_sampler)
+        batch.logprob_uids = logprob_uids if logprob_uids is not None else set()
+        return batch
+
+    def extend(self, batch: GenerationBatch) -> None:
+        """Append a freshly prefilled batch (mlx-lm's own class) to this one."""
+        self.uids.extend(batch.uids)
+        self.prompt_cache = _extend_cache(self.prompt_cache, batch.prompt_cache)
+        self.tokens.extend(batch.tokens)
+        self.samplers.extend(batch.samplers)
+        self.logits_processors.extend(batch.logits_processors)
+        self.max_tokens.extend(batch.max_tokens)
+        self.stop_sequences.extend(batch.stop_sequences)
+        self._token_context.extend(batch._token_context)
+        self._num_tokens.extend(batch._num_tokens)
+        self._matchers.extend(batch._matchers)
+        mine, theirs = _matrix(self._next_logprobs), _matrix(batch._next_logprobs)
+        if mine is None or self._next_tokens is None or self._next_tokens.size == 0:
+            self._next_tokens, self._next_logprobs = batch._next_tokens, theirs
+        elif theirs is not None:
+            self._next_tokens = mx.concatenate([self._next_tokens, batch._next_tokens])
+            self._next_logprobs = mx.concatenate([mine, theirs])
+
+    def filter(self, keep: list[int]) -> None:
+        """Keep only the rows at the `keep` positions."""
+        for name in ("uids", "tokens", "samplers", "logits_processors", "max_tokens",
+                     "stop_sequences", "_token_context", "_num_tokens", "_matchers"):
+            values = getattr(self, name)
+            setattr(self, name, [values[i] for i in keep])
+        if not keep:
+            self.prompt_cache.clear()
+            self._next_tokens, self._next_logprobs = None, None
+            return
+        for c in self.prompt_cache:
+            c.filter(keep)
+        index = mx.array(keep)
+        self._next_tokens = self._next_tokens[index]
+        self._next_logprobs = _matrix(self._next_logprobs)[index]
+
+    def _step(self) -> tuple[list[int], mx.array]:
+        """Start the next step on the device; return the tokens (and logprobs) of this one."""
+        inputs, current = self._next_tokens, _matrix(self._next_logprobs)
+        logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
+        contexts = []
+        if any(self.logits_processors):
+            logits, contexts = self._process(logits, inputs)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        self._next_tokens = self._sample(logprobs)
+        self._next_logprobs = logprobs
+        mx.async_eval(self._next_tokens, logprobs, contexts)
+        mx.eval(inputs, current)
+        tokens = inputs.tolist()
+        for row, token in zip(self.tokens, tokens, strict=True):
+            row.append(token)
+        return tokens, current
+
+    def _process(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, list[mx.array]]:
+        """Run each row's logits processors on that row only."""
+        rows, processed, contexts = [], [], []
+        for e, processors in enumerate(self.logits_processors):
+            if not processors:
+                continue
+            context = self._token_context[e].update_and_fetch(inputs[e: e + 1])
+            contexts.append(context)
+            row = logits[e: e + 1]
+            for processor in processors:
+                row = processor(context, row)
+            rows.append(e)
+            processed.append(row)
+        logits[mx.array(rows)] = mx.concatenate(processed).astype(logits.dtype)
+        return logits, contexts
+
+    def _sample(self, logprobs: mx.array) -> mx.array:
+        """One sampler call per group of rows sharing a sampler (one call for a greedy batch)."""
+        samplers = [s or self.fallback_sampler for s in self.samplers] or [self.fallback_sampler]
+        if all(s is samplers[0] for s in samplers):
+            return samplers[0](logprobs)
+        groups: dict[int, tuple] = {}
+        for e, s in enumerate(samplers):
+            groups.setdefault(id(s), (s, []))[1].append(e)
+        order, parts = [], []
+        for sampler, rows in groups.values():
+            order.extend(rows)
+            parts.append(sampler(logprobs[mx.array(rows)]).reshape(-1))
+        inverse = sorted(range(len(order)), key=order.__getitem__)
+        return mx.concatenate(parts)[mx.array(inverse)]
+
+    def next(self) -> list[GenerationBatch.Response]:
+        if not self.uids:
+            return []
+        tokens, logprobs = self._step()
+        keep, responses = [], []
+        wanted = self.logprob_uids
+        for i, (uid, token) in enumerate(zip(self.uids, tokens, strict=True)):
+            self._num_tokens[i] += 1
+            reason = "length" if self._num_tokens[i] >= self.max_tokens[i] else None
+            if self._matchers[i].advance(token):
+                reason = "stop"
+            if reason is None:
+                keep.append(i)
+            responses.append(self.Response(
+                uid=uid, token=token, logprobs=logprobs[i] if uid in wanted else None,
+                finish_reason=reason, prompt_cache=None,
+                all_tokens=self.tokens[i] if reason else None))
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
