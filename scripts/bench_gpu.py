@@ -159,6 +159,36 @@ def bare_decode(lm, batch: int, steps: int = 32) -> dict:
     return result
 
 
+def engine_decode_only(lm, batch: int, steps: int = 32) -> dict:
+    """batchrun's decode step alone: every row admitted and prefilled, then `steps` steps timed;
+    with and without the BatchGenerator's own stream, to compare with `bare_decode`."""
+    from mlx_lm.generate import generation_stream
+
+    result = {"batch": batch}
+    for stream_name, stream in (("generation_stream", generation_stream),
+                                ("default_stream", mx.default_stream(mx.default_device()))):
+        engine = Engine(lm.model, lm.tokenizer, EngineConfig(max_concurrency=batch,
+                                                             prefill_batch_size=64),
+                        lm.context_length)
+        engine._gen._stream = stream
+        for p in prompts(batch, 777):
+            engine.add_tokens(p, SamplingParams(max_tokens=steps + 64))
+        while engine.num_waiting or len(engine._gen._generation_batch) < batch:
+            engine.step()
+        for _ in range(4):
+            engine.step()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        total = time.perf_counter() - start
+        result[stream_name] = {"step_ms": total / steps * 1e3,
+                               "tokens_per_s": batch * steps / total}
+        engine.close()
+        del engine
+        mx.clear_cache()
+    return result
+
+
 def attention_cost(lm, batch: int, length: int = PROMPT_TOKENS + NEW_TOKENS // 2) -> dict:
     """One layer's decode attention at `batch` rows: fused without a mask vs with the boolean
     and additive masks a padded continuous batch needs."""
@@ -290,6 +320,8 @@ def main() -> None:
         for c in map(int, args.concurrency.split(",")):
             results["bare"].append(bare_decode(lm, c))
             print(json.dumps(results["bare"][-1]), flush=True)
+            results.setdefault("engine_decode", []).append(engine_decode_only(lm, c))
+            print(json.dumps(results["engine_decode"][-1]), flush=True)
             results.setdefault("attention", []).append(attention_cost(lm, c))
             print(json.dumps(results["attention"][-1]), flush=True)
             mx.clear_cache()

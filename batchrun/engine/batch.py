@@ -8,7 +8,8 @@ finishes. Measured on the H200 with 1,024 rows of a 1B model, that host work too
 
 `LeanGenerationBatch` keeps the matrix whole and hands a row's log-probabilities only to the
 requests that asked for them (`logprob_uids`), samples each group of rows sharing a sampler in
-one call, applies logits processors only to the rows that have some, and leaves a finished row's
+one call, applies logits processors only to the rows that have some (grammar masks for all
+constrained rows in one parallel call, see constrain.py), and leaves a finished row's
 cache alone (the engine cuts out the prefix blocks it stores itself). Tokens, stops and the
 order of operations on the device are mlx-lm's, so outputs are identical.
 """
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch, _extend_cache
+
+from batchrun.engine.constrain import GrammarProcessor
 
 
 def _matrix(logprobs) -> mx.array | None:
@@ -88,19 +91,34 @@ class LeanGenerationBatch(GenerationBatch):
         return tokens, current
 
     def _process(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, list[mx.array]]:
-        """Run each row's logits processors on that row only."""
+        """Run each row's logits processors on that row only; grammar rows all at once."""
         rows, processed, contexts = [], [], []
+        grammar_rows, grammars = [], []
+        tokens = None
         for e, processors in enumerate(self.logits_processors):
             if not processors:
                 continue
-            context = self._token_context[e].update_and_fetch(inputs[e: e + 1])
-            contexts.append(context)
-            row = logits[e: e + 1]
-            for processor in processors:
-                row = processor(context, row)
-            rows.append(e)
-            processed.append(row)
-        logits[mx.array(rows)] = mx.concatenate(processed).astype(logits.dtype)
+            others = [p for p in processors if not isinstance(p, GrammarProcessor)]
+            if others:
+                context = self._token_context[e].update_and_fetch(inputs[e: e + 1])
+                contexts.append(context)
+                row = logits[e: e + 1]
+                for processor in others:
+                    row = processor(context, row)
+                rows.append(e)
+                processed.append(row)
+            if len(others) < len(processors):
+                if tokens is None:
+                    tokens = inputs.tolist()  # the grammar needs the token sampled last
+                grammar = next(p for p in processors if isinstance(p, GrammarProcessor))
+                grammar.advance(tokens[e])
+                grammar_rows.append(e)
+                grammars.append(grammar)
+        if rows:
+            logits[mx.array(rows)] = mx.concatenate(processed).astype(logits.dtype)
+        if grammars:
+            index = mx.array(grammar_rows)
+            logits[index] = grammars[0].grammars.mask_rows(logits[index], grammars)
         return logits, contexts
 
     def _sample(self, logprobs: mx.array) -> mx.array:

@@ -30,6 +30,13 @@ from batchrun.cache import make_prefix_cache
 from batchrun.cache.disk import DiskCache, entry_files
 from batchrun.cache.prefix import Block, PrefixCache
 from batchrun.engine.batch import LeanGenerationBatch
+from batchrun.engine.choices import choice_logprobs, pick
+from batchrun.engine.constrain import (
+    ConstraintError,
+    GrammarProcessor,
+    Grammars,
+    choice_token_ids,
+)
 from batchrun.engine.memory import MemoryBudget, kv_budget, measure_kv
 from batchrun.engine.prompt import PromptBuilder
 from batchrun.engine.request import (
@@ -66,6 +73,10 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of the prompt
     cached: int = 0  # prompt tokens served from the prefix cache
     store_upto: int = 0  # prompt tokens whose blocks this sequence computes and stores
+    processor: GrammarProcessor | None = None  # constrained rows, from admission on
+    choice_tokens: list[list[int]] | None = None  # rows with choices: each choice's tokens
+    choice_logprobs: dict[str, float] | None = None
+    answer: str | None = None  # a choices row's picked choice
 
     @property
     def length(self) -> int:
@@ -96,6 +107,7 @@ class Engine:
         self.memory = MemoryBudget(measure_kv(model), budget)
         self.max_concurrency = self.config.max_concurrency or MAX_AUTO_CONCURRENCY
         self._logprob_uids: set[int] = set()  # running rows that asked for logprobs
+        self._grammars: Grammars | None = None
         self._gen = self._new_generator()
         self._retry_groups: deque[list[Sequence]] = deque()  # rows to rerun after a fault
         self._isolated: set[int] = set()  # ids of the retry group now running on its own
@@ -205,9 +217,28 @@ class Engine:
             ids = [int(t) for t in prompt]
         return self.add_tokens(ids, params or SamplingParams())
 
+    @property
+    def grammars(self) -> Grammars:
+        """The grammar compiler for this model's tokenizer (built on first use)."""
+        if self._grammars is None:
+            vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
+            self._grammars = Grammars(self.tokenizer, vocab or len(self.tokenizer._tokenizer))
+        return self._grammars
+
+    def check_constraint(self, constraint) -> None:
+        """Raise ConstraintError unless the constraint compiles for this model."""
+        self.grammars.check(constraint)
+
     def add_tokens(self, prompt: list[int], params: SamplingParams) -> int:
         request_id = next(self._ids)
         max_tokens = params.max_tokens
+        constraint = params.constraint
+        choice_tokens = None
+        if constraint is not None and constraint.kind == "choices":
+            # Picked from the choices' probabilities right after the prompt (choices.py); a
+            # second step keeps the row in the batch until its prompt cache is read.
+            max_tokens = 2
+            choice_tokens = choice_token_ids(self.tokenizer, constraint.value)
         if self.context_length:
             max_tokens = min(max_tokens, self.context_length - len(prompt))
         stops = self._default_stops
@@ -219,8 +250,14 @@ class Engine:
             max_tokens=max_tokens,
             logprobs=[] if params.logprobs else None,
             top_logprobs=[] if params.top_logprobs else None,
+            choice_tokens=choice_tokens,
         )
         error = self._reject_reason(seq)
+        if error is None and constraint is not None:
+            try:
+                self.grammars.check(constraint)
+            except ConstraintError as e:
+                error = str(e)
         if error:
             self._finished.append(self._output(seq, FinishReason.ERROR, error=error))
             return request_id
@@ -338,6 +375,7 @@ class Engine:
         seq.detokenizer = self.tokenizer.detokenizer if seq.params.stop else None
         seq.logprobs = [] if seq.params.logprobs else None
         seq.top_logprobs = [] if seq.params.top_logprobs else None
+        seq.processor, seq.choice_logprobs, seq.answer = None, None, None
 
     def _admit(self) -> None:
         if self._isolated:
@@ -369,19 +407,24 @@ class Engine:
         # group right-padded to its longest prompt: inserting by length wastes less on padding.
         batch.sort(key=lambda item: len(item[0].prompt) - item[0].cached)
         seqs = [seq for seq, _ in batch]
+        for seq in seqs:  # a fresh grammar state (also for a row rerun after a fault)
+            constraint = seq.params.constraint
+            if constraint is not None and seq.choice_tokens is None:
+                seq.processor = self.grammars.processor(constraint)
         uids = self._gen.insert(
             [s.prompt[s.cached:] for s in seqs],
             max_tokens=[s.max_tokens for s in seqs],
             caches=[PrefixCache.to_kv_caches(b) if b else None for _, b in batch],
             all_tokens=[s.prompt[: s.cached] for s in seqs],
             samplers=[make_sampler(s.params, self._seed_base + s.id) for s in seqs],
+            logits_processors=[[s.processor] if s.processor else [] for s in seqs],
             stop_sequences=[s.stop_sequences for s in seqs],
         )
         now = time.perf_counter()
         for uid, seq in zip(uids, seqs, strict=True):
             seq.uid, seq.admitted_at = uid, now
             self._running[uid] = seq
-            if seq.params.logprobs or seq.params.top_logprobs:
+            if seq.params.logprobs or seq.params.top_logprobs or seq.choice_tokens:
                 self._logprob_uids.add(uid)
             self.stats.prompt_tokens += len(seq.prompt)
             self.stats.cached_tokens += seq.cached
@@ -441,6 +484,9 @@ class Engine:
                 seq.ttft = now - seq.admitted_at
                 if seq.store_upto > seq.cached:
                     self._store_prefix(r.uid, seq)
+                if seq.choice_tokens is not None:
+                    self._answer_choice(r, seq)
+                    continue
             if r.finish_reason == "stop" and r.token in self._stop_ids(seq):
                 self._finish(r.uid, FinishReason.STOP, removed=True)
                 continue
@@ -451,6 +497,27 @@ class Engine:
             elif r.finish_reason is not None:
                 reason = FinishReason.STOP if r.finish_reason == "stop" else FinishReason.LENGTH
                 self._finish(r.uid, reason, removed=True)
+
+    def _answer_choice(self, r: Any, seq: Sequence) -> None:
+        """Right after a choices row's prompt: score every choice, answer one, finish."""
+        cache = None
+        if r.finish_reason is None:  # still in the batch: reuse its prompt's KV cache
+            cache, _ = self._gen.extract_cache([r.uid])[r.uid]
+            for layer in cache:  # it already holds the first generated token: drop it
+                layer.offset = len(seq.prompt)
+        per_token = choice_logprobs(self.model, cache, seq.prompt,
+                                    r.logprobs if cache is not None else None,
+                                    seq.choice_tokens)
+        totals = [sum(lps) for lps in per_token]
+        choices = seq.params.constraint.value
+        seq.choice_logprobs = dict(zip(choices, totals, strict=True))
+        seed = seq.params.seed if seq.params.seed is not None else self._seed_base + seq.id
+        picked = pick(totals, seq.params.temperature, seed)
+        seq.tokens = list(seq.choice_tokens[picked])
+        seq.answer = choices[picked]
+        if seq.logprobs is not None:
+            seq.logprobs = per_token[picked]
+        self._finish(r.uid, FinishReason.STOP, removed=r.finish_reason is not None)
 
     def _stop_ids(self, seq: Sequence) -> tuple[int, ...]:
         return (*self._eos, *seq.params.stop_token_ids)
@@ -476,6 +543,8 @@ class Engine:
 
     def _finish(self, uid: int, reason: FinishReason, removed: bool = False) -> None:
         seq = self._running.pop(uid)
+        if seq.processor is not None and len(seq.tokens) > seq.processor.consumed:
+            seq.processor.advance(seq.tokens[-1])  # the last token: no step consumed it yet
         self._logprob_uids.discard(uid)
         if not removed:
             self._gen.remove([uid])
@@ -488,6 +557,8 @@ class Engine:
         # One decode of the whole output (as mlx-lm's batch_generate does): far cheaper than
         # detokenizing every token of every row on the step loop.
         text = self.tokenizer.decode(seq.tokens) if seq.tokens else ""
+        if seq.answer is not None:
+            text = seq.answer
         hit = _find_stop(text, seq.params.stop, 0)
         if hit is not None:  # also one that only the last, held-back tokens completed
             text, reason = text[:hit], FinishReason.STOP
@@ -498,6 +569,9 @@ class Engine:
             request_id=seq.id, text=text, token_ids=seq.tokens, finish_reason=reason,
             prompt_tokens=len(seq.prompt), cached_tokens=seq.cached, logprobs=seq.logprobs,
             top_logprobs=seq.top_logprobs, ttft_s=seq.ttft, error=error,
+            constraint_complete=(seq.processor.complete if seq.processor
+                                 else True if seq.answer is not None else None),
+            choice_logprobs=seq.choice_logprobs,
         )
 
     def _account(self, decoded: int) -> None:

@@ -9,6 +9,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from batchrun.engine.constrain import Constraint
+
 
 class FinishReason(enum.StrEnum):
     STOP = "stop"  # an end-of-sequence token, a stop token id or a stop string
@@ -31,6 +33,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    # The answer must match this (JSON schema, regex, choices); see constrain.py.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
@@ -46,6 +50,8 @@ class SamplingParams:
                "non-empty strings")
         _check(isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= 20,
                "top_logprobs", self.top_logprobs, "an integer in [0, 20]")
+        _check(self.constraint is None or isinstance(self.constraint, Constraint),
+               "constraint", self.constraint, "a Constraint")
 
     @property
     def greedy(self) -> bool:
@@ -76,6 +82,10 @@ class Output:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     ttft_s: float | None = None
     error: str | None = None
+    # Constrained rows: whether the answer is a whole match of the constraint (False when it
+    # was cut short, e.g. by max_tokens); with choices, log P(choice | prompt) for each.
+    constraint_complete: bool | None = None
+    choice_logprobs: dict[str, float] | None = None
 
     @property
     def completion_tokens(self) -> int:

@@ -1,0 +1,76 @@
+"""Choices: log P(choice | prompt) for every choice, from the model, not by sampling.
+
+A choices row's answer is picked from these: the most likely choice (greedy) or a seeded draw
+from them. Token-by-token decoding under a grammar would let a weak model spell a choice with an
+unusual tokenization and return a label its own probabilities rank last; picking from the
+sequence probabilities keeps the label and `choice_probs` in agreement.
+
+log P(c) = sum over c's tokens t_i of log p(t_i | prompt, t_<i). The first factor of every
+choice comes from the distribution the batch already computed for the row's first token; the
+rest from one extra forward pass of all choices side by side (each but its last token, right
+padded) on copies of the row's prompt KV cache. Padding sits after a choice's real tokens, so
+causal attention keeps it out of their scores.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+
+def choice_logprobs(model: Any, prompt_cache: list[KVCache] | None, prompt: list[int],
+                    first: mx.array | None, choices: list[list[int]]) -> list[list[float]]:
+    """Each choice's per-token log-probabilities after `prompt` (their sum: the choice's).
+
+    `prompt_cache` holds the prompt's keys and values (one KVCache per layer) and `first` the
+    log-probabilities of the token after the prompt; without them both are computed here.
+    """
+    if prompt_cache is None or first is None:
+        prompt_cache = make_prompt_cache(model)
+        logits = model(mx.array(prompt)[None], cache=prompt_cache)[0, -1]
+        first = _log_softmax(logits)
+    first = first.astype(mx.float32)
+    per_token = [[first[tokens[0]]] for tokens in choices]
+    width = max(len(tokens) for tokens in choices) - 1
+    if width > 0:
+        k = len(choices)
+        inputs = mx.array([tokens[:-1] + [0] * (width + 1 - len(tokens)) for tokens in choices])
+        caches = []
+        for layer in prompt_cache:
+            cache = KVCache()
+            keys, values = layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :]
+            cache.keys = mx.repeat(keys, k, axis=0)
+            cache.values = mx.repeat(values, k, axis=0)
+            cache.offset = layer.offset
+            caches.append(cache)
+        logprobs = _log_softmax(model(inputs, cache=caches))
+        for j, tokens in enumerate(choices):
+            per_token[j].extend(logprobs[j, i - 1, tokens[i]] for i in range(1, len(tokens)))
+    flat = mx.stack([lp for row in per_token for lp in row]).tolist()
+    out, at = [], 0
+    for tokens in choices:
+        out.append(flat[at: at + len(tokens)])
+        at += len(tokens)
+    return out
+
+
+def pick(logprobs: list[float], temperature: float, seed: int) -> int:
+    """The greedy choice, or a seeded draw from the choices' probabilities at `temperature`."""
+    if temperature == 0:
+        return max(range(len(logprobs)), key=logprobs.__getitem__)
+    scaled = mx.array(logprobs, dtype=mx.float32) / temperature
+    key = mx.random.key(seed & 0xFFFF_FFFF_FFFF_FFFF)
+    return int(mx.random.categorical(scaled, key=key).item())
+
+
+def _log_softmax(logits: mx.array) -> mx.array:
+    logits = logits.astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def normalized(logprobs: dict[str, float]) -> dict[str, float]:
+    """Probabilities over the choices (summing to 1) from their log-probabilities."""
+    values = mx.softmax(mx.array(list(logprobs.values()), dtype=mx.float32)).tolist()
+    return dict(zip(logprobs, values, strict=True))

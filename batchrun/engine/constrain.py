@@ -1,0 +1,202 @@
+"""Constrained decoding: answers that follow a JSON schema, a regex or a list of choices.
+
+The grammar engine is llguidance (pinned): it compiles JSON schemas, regexes and Lark grammars
+against the model's tokenizer and computes a row's allowed-token bitmask in tens of
+microseconds, from NumPy, with no PyTorch. (outlines-core builds a full index per schema up
+front; xgrammar's Python package needs PyTorch.)
+
+A constrained row carries a `GrammarProcessor` as its logits processor. The decode step
+(batch.py) finds the rows that have one, lets each matcher consume the row's last token, fills
+all their bitmasks in one parallel call and masks the rows' logits with one operation, so
+constrained and free rows share a batch. The processor also works alone as an mlx-lm logits
+processor (mlx-lm calls it for the first token after a prompt).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import llguidance.numpy as llg_numpy
+import mlx.core as mx
+import numpy as np
+
+# Compact JSON, no free whitespace: a weak model cannot wander off into blank space.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class ConstraintError(ValueError):
+    """A schema, regex or choice list that cannot be compiled; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a row's answer must match. `kind`: json_schema, json_object, regex or choices."""
+
+    kind: str
+    value: str | tuple[str, ...] = ""  # the schema as JSON text, the regex, or the choices
+
+    @classmethod
+    def json_schema(cls, schema: Any) -> Constraint:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ConstraintError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise ConstraintError("a JSON schema must be an object")
+        return cls("json_schema", json.dumps(schema, sort_keys=True))
+
+    @classmethod
+    def choices(cls, choices: Any) -> Constraint:
+        if (not isinstance(choices, (list, tuple)) or not choices
+                or not all(isinstance(c, str) and c for c in choices)):
+            raise ConstraintError("choices must be a non-empty list of non-empty strings")
+        if len(set(choices)) != len(choices):
+            raise ConstraintError(f"choices must be distinct, got {list(choices)!r}")
+        return cls("choices", tuple(choices))
+
+    @classmethod
+    def regex(cls, pattern: Any) -> Constraint:
+        if not isinstance(pattern, str) or not pattern:
+            raise ConstraintError("a regex must be a non-empty string")
+        return cls("regex", pattern)
+
+    def grammar(self) -> str:
+        """The llguidance grammar for this constraint."""
+        if self.kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(self.value,
+                                                                 defaults=JSON_OPTIONS)
+        if self.kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
+                                                                 defaults=JSON_OPTIONS)
+        if self.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(self.value)
+        if self.kind == "choices":
+            alternatives = " | ".join(json.dumps(c) for c in self.value)
+            return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+        raise ConstraintError(f"unknown constraint kind {self.kind!r}")
+
+    def describe(self) -> str:
+        if self.kind == "choices":
+            return "choices " + ", ".join(self.value)
+        return {"json_schema": "the JSON schema", "json_object": "a JSON object",
+                "regex": f"the regex {self.value!r}"}[self.kind]
+
+
+def response_format_constraint(response_format: Any) -> Constraint | None:
+    """OpenAI's `response_format`: text (no constraint), json_object, or json_schema."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+        raise ConstraintError("response_format must be an object with a 'type'")
+    kind = response_format["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint("json_object")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or "schema" not in spec:
+            raise ConstraintError("response_format json_schema needs "
+                                  "{'json_schema': {'name': ..., 'schema': {...}}}")
+        return Constraint.json_schema(spec["schema"])
+    raise ConstraintError(f"response_format type must be text, json_object or json_schema, "
+                          f"got {kind!r}")
+
+
+class Grammars:
+    """Compiles constraints for one model's tokenizer; one compiled matcher per constraint,
+    copied for each row."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int):
+        import llguidance.hf
+
+        eos = sorted(tokenizer.eos_token_ids)
+        self.vocab_size = vocab_size
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer._tokenizer, n_vocab=vocab_size,
+                                                      eos_token=eos)
+        self._templates: dict[Constraint, llguidance.LLMatcher] = {}
+        self._executor = llguidance.LLExecutor()
+
+    def check(self, constraint: Constraint) -> None:
+        """Raise ConstraintError if the constraint does not compile."""
+        self.matcher(constraint)
+
+    def matcher(self, constraint: Constraint) -> llguidance.LLMatcher:
+        template = self._templates.get(constraint)
+        if template is None:
+            try:
+                grammar = constraint.grammar()
+            except ValueError as e:  # llguidance rejects the schema or the regex
+                raise ConstraintError(f"{constraint.describe()} does not compile: {e}") from None
+            error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+            if error and not error.startswith("WARNING"):
+                raise ConstraintError(f"{constraint.describe()} does not compile: {error}")
+            template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+            if template.is_error():
+                raise ConstraintError(f"{constraint.describe()} does not compile: "
+                                      f"{template.get_error()}")
+            self._templates[constraint] = template
+        return template.deep_copy()
+
+    def processor(self, constraint: Constraint) -> GrammarProcessor:
+        return GrammarProcessor(self.matcher(constraint), self)
+
+    def token_bytes(self, token: int) -> bytes:
+        return self.tokenizer.decode_bytes([token])
+
+    def mask_rows(self, logits: mx.array, processors: list[GrammarProcessor]) -> mx.array:
+        """Mask every row of `logits` (one per processor) to its grammar's allowed tokens."""
+        bitmask = llg_numpy.allocate_token_bitmask(len(processors), self.vocab_size)
+        llg_numpy.fill_next_token_bitmask_par(
+            self._executor, [(p.matcher, i) for i, p in enumerate(processors)], bitmask)
+        return apply_bitmask(logits, bitmask)
+
+
+def apply_bitmask(logits: mx.array, bitmask: np.ndarray) -> mx.array:
+    """Logits with -inf wherever a row's bit is 0 (bit j of word w: token 32 * w + j)."""
+    words = mx.array(bitmask.view(np.uint32))
+    bits = (words[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1
+    allowed = bits.reshape(bits.shape[0], -1)[:, : logits.shape[-1]].astype(mx.bool_)
+    return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+
+class GrammarProcessor:
+    """A row's grammar state. Called once per generated token, before sampling: it first
+    consumes the token sampled last (none before the first), then masks the logits."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, grammars: Grammars):
+        self.matcher = matcher
+        self.grammars = grammars
+        self.started = False
+        self.consumed = 0  # generated tokens the matcher has consumed
+
+    def advance(self, last_token: int) -> None:
+        """Consume the token sampled at the previous step (a no-op before the first)."""
+        if self.started:
+            self.matcher.consume_token(last_token)
+            self.consumed += 1
+        self.started = True
+
+    def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
+        self.advance(int(context[-1].item()) if self.started else -1)
+        return self.grammars.mask_rows(logits, [self])
+
+    @property
+    def complete(self) -> bool:
+        """The answer so far is a whole match (it may stop here)."""
+        return self.matcher.is_accepting() and not self.matcher.is_error()
+
+    @property
+    def error(self) -> str | None:
+        return self.matcher.get_error() if self.matcher.is_error() else None
+
+
+def choice_token_ids(tokenizer: Any, choices: tuple[str, ...]) -> list[list[int]]:
+    """Each choice's tokens as the model would write it after the prompt."""
+    return [tokenizer.encode(c, add_special_tokens=False) for c in choices]
+
+
