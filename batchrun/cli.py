@@ -22,8 +22,9 @@ from batchrun.engine.request import EngineConfig, SamplingParams
 JOB_FILE_KEYS = ("input", "model", "output", "job_dir", "max_concurrency", "max_tokens",
                  "temperature", "top_p", "top_k", "min_p", "seed", "stop", "system",
                  "prompt_template", "id_column", "memory_utilization", "prefill_batch_size",
-                 "prefill_step_size", "cache_dir", "no_prefix_cache")
-JOB_FILE_PATHS = ("input", "output", "job_dir", "cache_dir")
+                 "prefill_step_size", "cache_dir", "no_prefix_cache", "json_schema", "choices",
+                 "regex", "n", "logprobs", "top_logprobs")
+JOB_FILE_PATHS = ("input", "output", "job_dir", "cache_dir", "json_schema")
 
 
 def _fail(message: str, hint: str | None = None) -> click.ClickException:
@@ -58,6 +59,17 @@ def cli() -> None:
               help="base seed: a sampled row without its own seed gets one from this and its "
                    "position")
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
+@click.option("--json-schema", type=click.Path(path_type=Path), default=None,
+              help="every answer is JSON valid against this schema (a file)")
+@click.option("--choices", default=None,
+              help="every answer is one of these comma-separated labels; each row also gets "
+                   "choice_probs")
+@click.option("--regex", default=None, help="every answer matches this regex")
+@click.option("--n", "n", type=click.IntRange(1, 128), default=1, show_default=True,
+              help="samples per row (rows may set their own `n`)")
+@click.option("--logprobs", is_flag=True, help="log-probabilities of the generated tokens")
+@click.option("--top-logprobs", type=click.IntRange(0, 20), default=0, show_default=True,
+              help="also the K most likely tokens at each position")
 @click.option("--system", default=None, help="system message prepended to chat rows")
 @click.option("--prompt-template", default=None,
               help='build a user message from row columns: "Classify: {review}"')
@@ -98,11 +110,13 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
     if opts["prompt_template"] is not None and not opts["prompt_template"].strip():
         raise click.BadParameter("must not be empty", param_hint="--prompt-template")
     debug = opts["debug"]
+    constraint = _constraint_option(opts)
     try:
         defaults = SamplingParams(
             max_tokens=opts["max_tokens"], temperature=opts["temperature"],
             top_p=opts["top_p"], top_k=opts["top_k"], min_p=opts["min_p"], seed=opts["seed"],
-            stop=tuple(opts["stop"]))
+            stop=tuple(opts["stop"]), logprobs=bool(opts["logprobs"] or opts["top_logprobs"]),
+            top_logprobs=opts["top_logprobs"], constraint=constraint)
         config = EngineConfig(max_concurrency=opts["max_concurrency"],
                               prefill_batch_size=opts["prefill_batch_size"],
                               prefill_step_size=opts["prefill_step_size"],
@@ -116,10 +130,18 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
     output = opts["output"] or job_dir / "results.jsonl"
     spec = JobSpec(input_path, job_dir, output, opts["model"],
                    RowOptions(defaults, opts["system"], opts["prompt_template"],
-                              opts["id_column"]),
+                              opts["id_column"], opts["n"]),
                    restart=opts["restart"], quiet=opts["quiet"])
 
     engine = _load_engine(opts["model"], config, debug)
+    if constraint is not None:
+        from batchrun.engine.constrain import ConstraintError
+
+        try:
+            engine.check_constraint(constraint)
+        except ConstraintError as e:
+            raise click.UsageError(str(e)) from None
+    spec.rows.check_constraint = engine.check_constraint
     click.echo(describe_runtime(engine, opts["model"]), err=True)
     from batchrun.job import report as rp
 
@@ -152,6 +174,32 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
         click.echo(f"prefix cache: {cache_stats['hit_tokens']:,} prompt tokens reused "
                    f"({cache_stats['hits']:,} hits, {cache_stats['misses']:,} misses, "
                    f"{cache_stats['disk_loaded_blocks']:,} blocks from disk)", err=True)
+
+
+def _constraint_option(opts: dict):
+    """The job-wide constraint from --json-schema, --choices or --regex (at most one)."""
+    from batchrun.engine.constrain import Constraint, ConstraintError
+
+    given = [f"--{name.replace('_', '-')}" for name in ("json_schema", "choices", "regex")
+             if opts.get(name) is not None]
+    if len(given) > 1:
+        raise click.UsageError(f"give at most one of {', '.join(given)}")
+    try:
+        if opts.get("json_schema") is not None:
+            path = Path(opts["json_schema"])
+            if not path.is_file():
+                raise click.BadParameter(f"file not found: {path}", param_hint="--json-schema")
+            return Constraint.json_schema(path.read_text())
+        if opts.get("choices") is not None:
+            choices = opts["choices"]
+            if isinstance(choices, str):
+                choices = [c.strip() for c in choices.split(",")]
+            return Constraint.choices(list(choices))
+        if opts.get("regex") is not None:
+            return Constraint.regex(opts["regex"])
+    except ConstraintError as e:
+        raise click.UsageError(f"{given[0]}: {e}") from None
+    return None
 
 
 def _quote(arg: str) -> str:

@@ -100,8 +100,8 @@ def test_ordered_sink_holds_out_of_order_records_until_the_gap_fills(tmp_path):
     results, errors = tmp_path / "r.jsonl", tmp_path / "e.jsonl"
     sink = OrderedSink(results, errors, Progress())
     out = Output(0, "x", [1, 2], FinishReason.LENGTH, prompt_tokens=5)
-    sink.put(2, b"c\n", False, out)
-    sink.put(1, b"b\n", False, out)
+    sink.put(2, b"c\n", False, [out])
+    sink.put(1, b"b\n", False, [out])
     sink.sync()
     assert results.read_bytes() == b"" and sink.held == 2
     sink.put(0, b"a-error\n", True)
@@ -112,7 +112,7 @@ def test_ordered_sink_holds_out_of_order_records_until_the_gap_fills(tmp_path):
     assert progress.results_bytes == 4 and progress.errors_bytes == 8
     assert progress.completion_tokens == 4 and progress.prompt_tokens == 10
     with pytest.raises(RuntimeError, match="twice"):
-        sink.put(1, b"again\n", False, out)
+        sink.put(1, b"again\n", False, [out])
     sink.close()
 
 

@@ -22,13 +22,14 @@ class OrderedSink:
         self._errors = open(errors, "ab")  # noqa: SIM115
         self._held: dict[int, tuple[bytes, bool, Output | None]] = {}
 
-    def put(self, index: int, line: bytes, is_error: bool, out: Output | None = None) -> None:
+    def put(self, index: int, line: bytes, is_error: bool, outs: list[Output] = ()) -> None:
+        """Hold row `index`'s line (with its outputs, one per sample) until it is next."""
         if index < self.progress.next_index or index in self._held:
             raise RuntimeError(f"row {index} would be written twice")
-        self._held[index] = (line, is_error, out)
+        self._held[index] = (line, is_error, outs)
         p = self.progress
         while p.next_index in self._held:
-            line, is_error, out = self._held.pop(p.next_index)
+            line, is_error, outs = self._held.pop(p.next_index)
             if is_error:
                 self._errors.write(line)
                 p.errors_bytes += len(line)
@@ -37,9 +38,9 @@ class OrderedSink:
                 self._results.write(line)
                 p.results_bytes += len(line)
                 p.rows_done += 1
-                p.prompt_tokens += out.prompt_tokens
-                p.cached_tokens += out.cached_tokens
-                p.completion_tokens += out.completion_tokens
+                p.prompt_tokens += outs[0].prompt_tokens
+                p.cached_tokens += outs[0].cached_tokens
+                p.completion_tokens += sum(o.completion_tokens for o in outs)
             p.next_index += 1
 
     @property

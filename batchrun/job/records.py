@@ -1,58 +1,125 @@
 """Output records: batchrun's own result lines, OpenAI Batch API lines, and error records.
 
-Everything in a record is a function of the row and its output (ids are hashes, `created` is
+Everything in a record is a function of the row and its outputs (ids are hashes, `created` is
 the job's creation time), so a resumed job writes the same bytes as an uninterrupted one.
+
+A row has one output per sample (`n`). Token log-probabilities follow OpenAI's formats: chat
+(`{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}`) for batchrun's own lines and
+chat rows, the legacy completions format for `/v1/completions` rows. With choices, a record
+carries `choice_probs`: each choice's probability, normalized over the choices.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
+from batchrun.engine.choices import normalized
 from batchrun.engine.request import Output
 from batchrun.job.rows import RowError, Task
 
+TokenBytes = Callable[[int], bytes]  # a token id's bytes in the model's vocabulary
 
-def result_record(task: Task, out: Output, model: str, created: int) -> dict:
+
+def result_record(task: Task, outs: list[Output], model: str, created: int,
+                  token_bytes: TokenBytes) -> dict:
     if task.openai:
-        return openai_record(task, out, model, created)
+        return openai_record(task, outs, model, created, token_bytes)
+    first = outs[0]
     record = {
         "custom_id": task.custom_id,
         "index": task.index,
-        "text": out.text,
-        "finish_reason": out.finish_reason.value,
+        "text": first.text,
+        "finish_reason": first.finish_reason.value,
         "usage": {
-            "prompt_tokens": out.prompt_tokens,
-            "completion_tokens": out.completion_tokens,
-            "cached_tokens": out.cached_tokens,
+            "prompt_tokens": first.prompt_tokens,
+            "completion_tokens": sum(o.completion_tokens for o in outs),
+            "cached_tokens": first.cached_tokens,
         },
     }
-    if out.logprobs is not None:
-        record["logprobs"] = out.logprobs
+    if first.choice_logprobs is not None:
+        record["choice_probs"] = normalized(first.choice_logprobs)
+    if first.logprobs is not None:
+        record["logprobs"] = chat_logprobs(first, token_bytes)
+    if len(outs) > 1:
+        samples = []
+        for o in outs:
+            sample = {"text": o.text, "finish_reason": o.finish_reason.value,
+                      "completion_tokens": o.completion_tokens}
+            if o.logprobs is not None:
+                sample["logprobs"] = chat_logprobs(o, token_bytes)
+            samples.append(sample)
+        record["samples"] = samples
     return record
+
+
+def _entry(token: int, logprob: float, token_bytes: TokenBytes) -> dict:
+    raw = token_bytes(token)
+    return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob,
+            "bytes": list(raw)}
+
+
+def chat_logprobs(out: Output, token_bytes: TokenBytes) -> dict:
+    """OpenAI chat completions' `logprobs`: one entry per generated token."""
+    content = []
+    tops = out.top_logprobs or [[] for _ in out.token_ids]
+    for token, logprob, top in zip(out.token_ids, out.logprobs, tops, strict=False):
+        entry = _entry(token, logprob, token_bytes)
+        entry["top_logprobs"] = [_entry(t, lp, token_bytes) for t, lp in top]
+        content.append(entry)
+    return {"content": content}
+
+
+def completion_logprobs(out: Output, token_bytes: TokenBytes) -> dict:
+    """OpenAI (legacy) completions' `logprobs`: parallel lists."""
+    tokens = [token_bytes(t).decode("utf-8", errors="replace") for t in out.token_ids]
+    offsets, at = [], 0
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    top = None
+    if out.top_logprobs is not None:
+        top = [{token_bytes(t).decode("utf-8", errors="replace"): lp for t, lp in step}
+               for step in out.top_logprobs]
+    return {"tokens": tokens, "token_logprobs": out.logprobs, "top_logprobs": top,
+            "text_offset": offsets}
 
 
 def _hash_id(*parts: object) -> str:
     return hashlib.sha256("\x1f".join(map(str, parts)).encode()).hexdigest()[:24]
 
 
-def openai_record(task: Task, out: Output, model: str, created: int) -> dict:
-    """A line of the OpenAI Batch API's output file, with a chat.completion or text_completion."""
+def openai_record(task: Task, outs: list[Output], model: str, created: int,
+                  token_bytes: TokenBytes) -> dict:
+    """A line of the OpenAI Batch API's output file, with a chat.completion or text_completion
+    (one choice per sample)."""
     key = _hash_id(created, task.index, task.custom_id)
+    first = outs[0]
+    completion = sum(o.completion_tokens for o in outs)
     usage = {
-        "prompt_tokens": out.prompt_tokens,
-        "completion_tokens": out.completion_tokens,
-        "total_tokens": out.prompt_tokens + out.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": first.prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
     }
+    choices = []
+    for i, out in enumerate(outs):
+        if task.openai == "chat":
+            logprobs = chat_logprobs(out, token_bytes) if out.logprobs is not None else None
+            choice = {"index": i, "message": {"role": "assistant", "content": out.text},
+                      "logprobs": logprobs, "finish_reason": out.finish_reason.value}
+        else:
+            logprobs = completion_logprobs(out, token_bytes) if out.logprobs is not None else None
+            choice = {"index": i, "text": out.text, "logprobs": logprobs,
+                      "finish_reason": out.finish_reason.value}
+        if out.choice_logprobs is not None:
+            choice["choice_probs"] = normalized(out.choice_logprobs)
+        choices.append(choice)
     if task.openai == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text},
-                  "logprobs": None, "finish_reason": out.finish_reason.value}
         body = {"id": f"chatcmpl-{key}", "object": "chat.completion"}
     else:
-        choice = {"index": 0, "text": out.text, "logprobs": None,
-                  "finish_reason": out.finish_reason.value}
         body = {"id": f"cmpl-{key}", "object": "text_completion"}
-    body |= {"created": created, "model": task.model or model, "choices": [choice],
+    body |= {"created": created, "model": task.model or model, "choices": choices,
              "usage": usage}
     return {
         "id": f"batch_req_{key}",

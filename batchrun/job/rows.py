@@ -4,6 +4,10 @@ Row shapes (SPEC.md): `prompt`; `messages` (+ `tools`, `chat_template_kwargs`); 
 API line (`custom_id`, `url`, `body`); or any columns with `--prompt-template`. Per-row sampling
 fields override the job's defaults. Row id: `custom_id`, else `id`, else `--id-column`, else the
 0-based row index.
+
+A row's answer may be constrained by OpenAI's `response_format` (json_object, json_schema) or
+by vLLM's `guided_json`, `guided_regex`, `guided_choice`; else by the job's `--json-schema`,
+`--regex` or `--choices`. `n` asks for several samples of one row.
 """
 
 from __future__ import annotations
@@ -12,12 +16,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchrun.engine.constrain import Constraint, ConstraintError, response_format_constraint
 from batchrun.engine.prompt import PromptBuilder, PromptError
 from batchrun.engine.request import SamplingParams
 
 OPENAI_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                    "logprobs", "top_logprobs")
+MAX_N = 128
 
 
 @dataclass(slots=True)
@@ -28,6 +34,9 @@ class RowOptions:
     system: str | None = None
     prompt_template: str | None = None
     id_column: str | None = None
+    n: int = 1  # samples per row unless the row sets its own
+    # Raises ConstraintError if a constraint does not compile for the model (the engine's).
+    check_constraint: Any = None
 
 
 @dataclass(slots=True)
@@ -39,6 +48,16 @@ class Task:
     params: SamplingParams
     openai: str | None = None  # "chat" or "completion" for OpenAI batch rows
     model: str | None = None  # the `body.model` of an OpenAI batch row
+    n: int = 1  # samples; sample i > 0 samples with a seed derived from the row's (sample_params)
+
+    def sample_params(self) -> list[SamplingParams]:
+        """One SamplingParams per sample: sample 0 is the row's own, the others get distinct
+        seeds derived from it (greedy samples are all alike)."""
+        out = [self.params]
+        for i in range(1, self.n):
+            seed = None if self.params.greedy else row_seed(i, self.params.seed or 0)
+            out.append(dataclasses.replace(self.params, seed=seed))
+        return out
 
 
 @dataclass(slots=True)
@@ -101,13 +120,47 @@ def _build(value: Any, index: int, line: int, custom_id: str, prompts: PromptBui
         if not isinstance(body, dict):
             raise RowRejected("invalid_row", "body must be an object")
     params = sampling_params(body, options.defaults)
+    params = dataclasses.replace(params, constraint=row_constraint(body, options))
+    n = body.get("n", options.n)
+    if n is None:
+        n = options.n
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+        raise RowRejected("invalid_field", f"n must be an integer in [1, {MAX_N}], got {n!r}")
     if body.get("seed") is None and not params.greedy:
         # A seed from the job's base seed and the row's position: the same row samples the
         # same text on every run, resumed or not, whatever else shares its batch.
         params = dataclasses.replace(params, seed=row_seed(index, options.defaults.seed or 0))
     ids = _prompt_ids(body, openai, prompts, options)
     model = body.get("model") if openai else None
-    return Task(index, line, custom_id, ids, params, openai, model)
+    return Task(index, line, custom_id, ids, params, openai, model, n)
+
+
+GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
+
+
+def row_constraint(body: dict, options: RowOptions) -> Constraint | None:
+    """The row's own constraint field (at most one), else the job's; checked to compile."""
+    given = [name for name in GUIDED_FIELDS if body.get(name) is not None]
+    if len(given) > 1:
+        raise RowRejected("invalid_field", f"give at most one of {', '.join(given)}")
+    name = given[0] if given else None
+    try:
+        if name == "response_format":
+            constraint = response_format_constraint(body[name])
+        elif name == "guided_json":
+            constraint = Constraint.json_schema(body[name])
+        elif name == "guided_regex":
+            constraint = Constraint.regex(body[name])
+        elif name == "guided_choice":
+            constraint = Constraint.choices(body[name])
+        else:
+            constraint = options.defaults.constraint
+        if constraint is not None and options.check_constraint is not None:
+            options.check_constraint(constraint)
+    except ConstraintError as e:
+        field = name or "the job's constraint"
+        raise RowRejected("invalid_constraint", f"{field}: {e}") from None
+    return constraint
 
 
 def _prompt_ids(body: dict, openai: str | None, prompts: PromptBuilder,

@@ -75,7 +75,7 @@ class JobSpec:
         """The options that change outputs: a resumed job must use the same ones."""
         r = self.rows
         options = {"sampling": dataclasses.asdict(r.defaults), "system": r.system,
-                   "prompt_template": r.prompt_template, "id_column": r.id_column,
+                   "prompt_template": r.prompt_template, "id_column": r.id_column, "n": r.n,
                    "output": str(self.output.resolve())}
         return orjson.loads(orjson.dumps(options))  # as job.json stores it (tuples are lists)
 
@@ -120,7 +120,9 @@ class JobRunner:
         self.rows_total = 0
         self.manifest: dict = {}
         self.report: dict = {}
-        self._pending: dict[int, list[Task]] = {}  # engine request id -> tasks awaiting it
+        # engine request id -> (task, sample index) pairs awaiting it
+        self._pending: dict[int, list[tuple[Task, int]]] = {}
+        self._samples: dict[int, list[Output | None]] = {}  # row index -> its samples so far
         self._inflight: dict[bytes, int] = {}  # payload hash -> engine request id
         self._request_key: dict[int, bytes] = {}
         self._done: OrderedDict[bytes, Output] = OrderedDict()
@@ -264,41 +266,58 @@ class JobRunner:
             self._write_error(item, sink, openai=False)
             bar.update(1)
             return
-        key = _payload_key(item)
-        if key in self._done:  # identical to a recent row: reuse its output
+        self._samples[item.index] = [None] * item.n
+        for sample, params in enumerate(item.sample_params()):
+            self._submit_sample(item, sample, params, sink, bar)
+
+    def _submit_sample(self, task: Task, sample: int, params, sink: OrderedSink, bar) -> None:
+        key = _payload_key(task.prompt_ids, params)
+        if key in self._done:  # identical to a recent request: reuse its output
             self._done.move_to_end(key)
             self.deduplicated += 1
-            self._write(item, self._done[key], sink)
-            bar.update(1)
-        elif key in self._inflight:  # identical to a row being computed: wait for it
+            self._deliver(task, sample, self._done[key], sink, bar)
+        elif key in self._inflight:  # identical to a request being computed: wait for it
             self.deduplicated += 1
-            self._pending[self._inflight[key]].append(item)
+            self._pending[self._inflight[key]].append((task, sample))
         else:
-            request_id = self.engine.add_tokens(item.prompt_ids, item.params)
-            self._pending[request_id] = [item]
+            request_id = self.engine.add_tokens(task.prompt_ids, params)
+            self._pending[request_id] = [(task, sample)]
             self._inflight[key] = request_id
             self._request_key[request_id] = key
 
     def _finish(self, out: Output, sink: OrderedSink, bar) -> None:
-        tasks = self._pending.pop(out.request_id)
+        waiting = self._pending.pop(out.request_id)
         key = self._request_key.pop(out.request_id)
         del self._inflight[key]
         if out.finish_reason is not FinishReason.ERROR:
             self._done[key] = out
             if len(self._done) > DONE_CACHE_SIZE:
                 self._done.popitem(last=False)
-        for task in tasks:
-            self._write(task, out, sink)
-        bar.update(len(tasks))
+        for task, sample in waiting:
+            self._deliver(task, sample, out, sink, bar)
 
-    def _write(self, task: Task, out: Output, sink: OrderedSink) -> None:
-        if out.finish_reason is FinishReason.ERROR:
-            self._write_error(RowError(task.index, task.line, task.custom_id, "request_failed",
-                                       out.error or "the request failed"), sink,
-                              openai=task.openai is not None)
+    def _deliver(self, task: Task, sample: int, out: Output, sink: OrderedSink, bar) -> None:
+        """One sample of a row is done; the row is written when all its samples are."""
+        outs = self._samples[task.index]
+        outs[sample] = out
+        if all(o is not None for o in outs):
+            del self._samples[task.index]
+            self._write(task, outs, sink)
+            bar.update(1)
+
+    def _write(self, task: Task, outs: list[Output], sink: OrderedSink) -> None:
+        problem = _row_problem(task, outs)
+        if problem is not None:
+            code, message = problem
+            self._write_error(RowError(task.index, task.line, task.custom_id, code, message),
+                              sink, openai=task.openai is not None)
             return
-        record = result_record(task, out, self.model_name, self.manifest["created"])
-        sink.put(task.index, orjson.dumps(record) + b"\n", is_error=False, out=out)
+        record = result_record(task, outs, self.model_name, self.manifest["created"],
+                               self._token_bytes)
+        sink.put(task.index, orjson.dumps(record) + b"\n", is_error=False, outs=outs)
+
+    def _token_bytes(self, token: int) -> bytes:
+        return self.engine.grammars.token_bytes(token)  # built on first use
 
     def _write_error(self, error: RowError, sink: OrderedSink, openai: bool) -> None:
         sink.put(error.index, orjson.dumps(error_record(error, openai)) + b"\n", is_error=True)
@@ -323,8 +342,23 @@ class JobRunner:
                 f"held {sink.held}")
 
 
-def _payload_key(task: Task) -> bytes:
+def _row_problem(task: Task, outs: list[Output]) -> tuple[str, str] | None:
+    """(code, message) when a row's outputs cannot make a result record."""
+    for out in outs:
+        if out.finish_reason is FinishReason.ERROR:
+            return "request_failed", out.error or "the request failed"
+    constraint = task.params.constraint
+    for out in outs:
+        if out.constraint_complete is False:
+            return ("constraint_incomplete",
+                    f"the answer ended ({out.finish_reason.value}, {out.completion_tokens} "
+                    f"tokens) before it matched {constraint.describe()}: raise max_tokens "
+                    f"(now {task.params.max_tokens}) or loosen the constraint")
+    return None
+
+
+def _payload_key(prompt_ids: list[int], params) -> bytes:
     h = hashlib.blake2b(digest_size=16)
-    h.update(repr(dataclasses.astuple(task.params)).encode())
-    h.update(b"\x00".join(str(t).encode() for t in task.prompt_ids))
+    h.update(repr(dataclasses.astuple(params)).encode())
+    h.update(b"\x00".join(str(t).encode() for t in prompt_ids))
     return h.digest()
