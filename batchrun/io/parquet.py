@@ -21,6 +21,11 @@ RESULT_COLUMNS = (
     ("cached_tokens", pa.int64()),
     ("error", pa.string()),
 )
+# Added only when some result has them: choices rows and rows with n > 1 samples.
+OPTIONAL_COLUMNS = (
+    ("choice_probs", pa.map_(pa.string(), pa.float64())),
+    ("samples", pa.list_(pa.string())),
+)
 
 
 def count_parquet(path: str | Path) -> int:
@@ -41,27 +46,32 @@ def read_parquet(path: str | Path, start: int = 0) -> Iterator[RawRow]:
             index += 1
 
 
-def result_column_names(input_columns: list[str]) -> dict[str, str]:
+def result_column_names(input_columns: list[str],
+                        columns: tuple = RESULT_COLUMNS) -> dict[str, str]:
     """Result column -> output name; prefixed with `result_` where the input has the name."""
     taken = set(input_columns)
-    return {name: f"result_{name}" if name in taken else name for name, _ in RESULT_COLUMNS}
+    return {name: f"result_{name}" if name in taken else name for name, _ in columns}
 
 
 def write_parquet_output(input_path: Path, results: Path, errors: Path, out: Path) -> None:
     """Join the input rows with their results (both in input order) into one Parquet file."""
     parquet_input = input_path.name.endswith(".parquet")
+    present = set()
+    for r in _lines(results):
+        present.update(name for name, _ in OPTIONAL_COLUMNS if flat_result(r).get(name))
+    columns = RESULT_COLUMNS + tuple(c for c in OPTIONAL_COLUMNS if c[0] in present)
     results_by_index = _merge_in_order(results, errors)
     tmp = out.with_name(f".{out.name}.tmp")
     writer = None
     try:
         for batch in _input_batches(input_path, parquet_input):
-            names = result_column_names(batch.schema.names)
-            values: dict[str, list] = {name: [] for name, _ in RESULT_COLUMNS}
+            names = result_column_names(batch.schema.names, columns)
+            values: dict[str, list] = {name: [] for name, _ in columns}
             for _ in range(batch.num_rows):
                 record = next(results_by_index)
-                for name, _type in RESULT_COLUMNS:
+                for name, _type in columns:
                     values[name].append(record.get(name))
-            for name, type_ in RESULT_COLUMNS:
+            for name, type_ in columns:
                 batch = batch.append_column(pa.field(names[name], type_),
                                             pa.array(values[name], type_))
             if writer is None:
@@ -116,20 +126,28 @@ def _merge_in_order(results: Path, errors: Path) -> Iterator[dict]:
 
 
 def flat_result(r: dict) -> dict:
-    """text, finish_reason and usage of a result line, native or OpenAI-shaped."""
+    """text, finish_reason, usage (and choice_probs, samples) of a result line, native or
+    OpenAI-shaped."""
     if "response" in r:
         body = (r.get("response") or {}).get("body") or {}
-        choice = (body.get("choices") or [{}])[0]
+        choices = body.get("choices") or [{}]
+        choice = choices[0]
         text = (choice.get("message") or {}).get("content", choice.get("text"))
         usage = body.get("usage") or {}
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         usage = {**usage, "cached_tokens": cached}
         finish = choice.get("finish_reason")
+        probs = choice.get("choice_probs")
+        samples = [(c.get("message") or {}).get("content", c.get("text")) for c in choices] \
+            if len(choices) > 1 else None
     else:
         text, finish, usage = r.get("text"), r.get("finish_reason"), r.get("usage") or {}
+        probs = r.get("choice_probs")
+        samples = [s["text"] for s in r["samples"]] if r.get("samples") else None
     return {"text": text, "finish_reason": finish, "prompt_tokens": usage.get("prompt_tokens"),
             "completion_tokens": usage.get("completion_tokens"),
-            "cached_tokens": usage.get("cached_tokens"), "error": None}
+            "cached_tokens": usage.get("cached_tokens"), "error": None,
+            "choice_probs": list(probs.items()) if probs else None, "samples": samples}
 
 
 def _lines(path: Path) -> Iterator[dict]:

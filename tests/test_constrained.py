@@ -1,0 +1,281 @@
+"""Labeling: constrained answers (JSON schema, regex, choices), label probabilities, logprobs in
+OpenAI's formats, and n samples per row -- on the demo model, whose free text is random."""
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import jsonschema
+import mlx.core as mx
+import orjson
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from batchrun.cli import cli
+from batchrun.engine.constrain import Constraint
+from batchrun.engine.engine import Engine
+from batchrun.engine.request import EngineConfig, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "label": {"enum": ["positive", "negative", "neutral"]},
+        "score": {"type": "integer", "minimum": 1, "maximum": 5},
+        "summary": {"type": "string", "maxLength": 12},
+        "verified": {"type": "boolean"},
+    },
+    "required": ["label", "score", "summary", "verified"],
+    "additionalProperties": False,
+}
+CHOICES = ["positive", "negative", "neutral", "mixed feelings"]
+
+
+def jsonl(path):
+    return [orjson.loads(x) for x in Path(path).read_bytes().splitlines() if x.strip()]
+
+
+def run(*args, code=0):
+    result = CliRunner().invoke(cli, ["run", *map(str, args), "--quiet"])
+    assert result.exit_code == code, result.output
+    return result
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    return path
+
+
+def review(i: int) -> str:
+    return f"Review {i}: the kettle is {['sturdy', 'flimsy', 'fine', 'loud'][i % 4]}."
+
+
+def test_120_schema_rows_all_validate_and_share_the_batch_with_free_rows(tmp_path):
+    rows = []
+    for i in range(160):
+        row = {"custom_id": f"r{i}", "prompt": review(i), "max_tokens": 96}
+        if i % 4 != 3:  # 120 constrained rows, 40 free ones interleaved
+            row["response_format"] = {"type": "json_schema",
+                                      "json_schema": {"name": "label", "schema": SCHEMA}}
+        rows.append(row)
+    job = tmp_path / "job"
+    run(write_rows(tmp_path / "rows.jsonl", rows), "--job-dir", job, "--max-concurrency", "32")
+    results = jsonl(job / "results.jsonl")
+    assert [r["custom_id"] for r in results] == [f"r{i}" for i in range(160)]
+    constrained = [r for i, r in enumerate(results) if i % 4 != 3]
+    assert len(constrained) == 120
+    for r in constrained:
+        jsonschema.validate(json.loads(r["text"]), SCHEMA)
+        assert r["finish_reason"] == "stop"
+    free = [r["text"] for i, r in enumerate(results) if i % 4 == 3]
+    assert sum(_parses(t) for t in free) < len(free) / 2  # the demo model's own text is random
+    report = orjson.loads((job / "report.json").read_bytes())
+    assert report["mean_batch_size"] > 4  # constrained and free rows decoded together
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def test_choices_answer_from_the_set_with_probabilities_summing_to_one(tmp_path):
+    rows = [{"id": i, "prompt": review(i)} for i in range(24)]
+    job = tmp_path / "job"
+    run(write_rows(tmp_path / "rows.jsonl", rows), "--job-dir", job,
+        "--choices", ",".join(CHOICES))
+    results = jsonl(job / "results.jsonl")
+    assert len(results) == 24
+    for r in results:
+        probs = r["choice_probs"]
+        assert list(probs) == CHOICES
+        assert sum(probs.values()) == pytest.approx(1.0, abs=1e-5)
+        assert r["text"] == max(probs, key=probs.get)  # greedy: the most likely choice
+    assert len({r["text"] for r in results}) >= 1
+
+
+def test_choice_probabilities_are_the_models_sequence_probabilities(demo):
+    """choice_probs come from the model's logprobs of each choice's tokens after the prompt."""
+    engine = Engine(demo.model, demo.tokenizer, EngineConfig(max_concurrency=8),
+                    demo.context_length)
+    prompts = [review(i) + " Label:" for i in range(4)]
+    for p in prompts:
+        engine.add_request(p, SamplingParams(constraint=Constraint.choices(CHOICES)))
+        engine.add_request(p, SamplingParams(max_tokens=12))  # free rows in the same batch
+    outs = engine.run()[::2]
+    assert any(len(demo.tokenizer.encode(c, add_special_tokens=False)) > 1 for c in CHOICES)
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = demo.tokenizer.encode(prompt)
+        for choice in CHOICES:
+            tokens = demo.tokenizer.encode(choice, add_special_tokens=False)
+            logits = demo.model(mx.array(ids + tokens)[None])[0].astype(mx.float32)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            expected = sum(logprobs[len(ids) - 1 + i, t].item() for i, t in enumerate(tokens))
+            assert out.choice_logprobs[choice] == pytest.approx(expected, abs=1e-3)
+        assert out.text in CHOICES and out.constraint_complete
+
+
+def test_constrained_greedy_output_does_not_depend_on_batch_composition(demo):
+    schema = Constraint.json_schema(SCHEMA)
+    regex = Constraint.regex(r"[0-9]{3}-[a-z]{2,4}")
+    targets = [(review(i), schema) for i in range(3)] + [(f"Code {i}:", regex) for i in range(2)]
+
+    def alone(prompt, constraint):
+        engine = Engine(demo.model, demo.tokenizer, EngineConfig(max_concurrency=1),
+                        demo.context_length)
+        return engine.generate([prompt], SamplingParams(max_tokens=96,
+                                                        constraint=constraint))[0].token_ids
+
+    engine = Engine(demo.model, demo.tokenizer, EngineConfig(max_concurrency=16),
+                    demo.context_length)
+    ids = []
+    for i, (prompt, constraint) in enumerate(targets):
+        engine.add_request(f"Noise {i} " * (i + 1), SamplingParams(max_tokens=5 + 7 * i))
+        ids.append(engine.add_request(prompt, SamplingParams(max_tokens=96,
+                                                             constraint=constraint)))
+        engine.add_request(review(50 + i), SamplingParams(max_tokens=20, temperature=1.0,
+                                                          seed=i, constraint=schema))
+    crowded = {o.request_id: o for o in engine.run()}
+    for (prompt, constraint), rid in zip(targets, ids, strict=True):
+        assert crowded[rid].token_ids == alone(prompt, constraint), prompt
+
+
+def test_regex_rows_match_and_the_job_flag_applies_to_every_row(tmp_path):
+    rows = [{"prompt": f"Code {i}:", "max_tokens": 40} for i in range(10)]
+    rows.append({"prompt": "Own pattern:", "guided_regex": "(yes|no)"})
+    job = tmp_path / "job"
+    run(write_rows(tmp_path / "rows.jsonl", rows), "--job-dir", job,
+        "--regex", r"[A-Z]{2}-[0-9]{2,3}", "--temperature", "1.0", "--seed", "7")
+    results = jsonl(job / "results.jsonl")
+    assert all(re.fullmatch(r"[A-Z]{2}-[0-9]{2,3}", r["text"]) for r in results[:10])
+    assert results[10]["text"] in ("yes", "no")
+
+
+def test_n_samples_are_distinct_reproducible_and_sample_0_is_the_row_itself(tmp_path):
+    rows = write_rows(tmp_path / "rows.jsonl",
+                      [{"prompt": review(i), "max_tokens": 12, "seed": 100 + i} for i in range(6)]
+                      + [{"prompt": review(9), "max_tokens": 12, "n": 2}])
+    a, b, one = tmp_path / "a", tmp_path / "b", tmp_path / "one"
+    run(rows, "--job-dir", a, "--n", "4", "--temperature", "1.0")
+    run(rows, "--job-dir", b, "--n", "4", "--temperature", "1.0", "--max-concurrency", "3")
+    run(rows, "--job-dir", one, "--temperature", "1.0")
+    ra, rb, r1 = jsonl(a / "results.jsonl"), jsonl(b / "results.jsonl"), jsonl(one / "results.jsonl")
+    assert ra == rb  # reproducible, whatever the batching
+    for row, single in zip(ra[:6], r1[:6], strict=True):
+        texts = [s["text"] for s in row["samples"]]
+        assert len(texts) == 4 and len(set(texts)) >= 3  # distinct seeds, distinct samples
+        assert texts[0] == row["text"] == single["text"]
+        assert row["usage"]["completion_tokens"] == sum(s["completion_tokens"]
+                                                        for s in row["samples"])
+    assert len(ra[6]["samples"]) == 2  # the row's own n beats --n
+
+
+def test_logprobs_in_openai_formats(tmp_path):
+    rows = [
+        {"custom_id": "native", "prompt": review(1), "max_tokens": 6, "logprobs": True,
+         "top_logprobs": 3},
+        {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": review(2)}], "max_tokens": 5,
+                  "logprobs": True, "top_logprobs": 2, "n": 2, "temperature": 0.8}},
+        {"custom_id": "completion", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": review(3), "max_tokens": 5, "logprobs": True, "top_logprobs": 2}},
+    ]
+    job = tmp_path / "job"
+    run(write_rows(tmp_path / "rows.jsonl", rows), "--job-dir", job)
+    native, chat, completion = jsonl(job / "results.jsonl")
+
+    content = native["logprobs"]["content"]
+    assert len(content) == native["usage"]["completion_tokens"] == 6
+    assert "".join(bytes(e["bytes"]).decode("utf-8", "replace") for e in content) \
+        == native["text"]
+    for entry in content:
+        assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 3
+        assert entry["top_logprobs"][0]["token"] == entry["token"]  # greedy: the top one
+
+    choices = chat["response"]["body"]["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    for c in choices:
+        entries = c["logprobs"]["content"]
+        assert entries and all(len(e["top_logprobs"]) == 2 for e in entries)
+        assert "".join(e["token"] for e in entries) == c["message"]["content"]
+
+    legacy = completion["response"]["body"]["choices"][0]["logprobs"]
+    assert len(legacy["tokens"]) == len(legacy["token_logprobs"]) == len(legacy["top_logprobs"])
+    assert legacy["text_offset"][0] == 0
+    assert "".join(legacy["tokens"]) == completion["response"]["body"]["choices"][0]["text"]
+
+
+def test_bad_constraints_are_row_errors_naming_the_field(tmp_path):
+    rows = [
+        {"custom_id": "ok", "prompt": "fine", "guided_choice": ["a", "b"]},
+        {"custom_id": "bad-type", "prompt": "x", "response_format": {"type": "xml"}},
+        {"custom_id": "bad-schema", "prompt": "x", "guided_json": {"type": "bogus"}},
+        {"custom_id": "two", "prompt": "x", "guided_regex": "a+", "guided_choice": ["a"]},
+        {"custom_id": "empty-choice", "prompt": "x", "guided_choice": []},
+        {"custom_id": "bad-n", "prompt": "x", "n": 0},
+    ]
+    job = tmp_path / "job"
+    run(write_rows(tmp_path / "rows.jsonl", rows), "--job-dir", job)
+    assert [r["custom_id"] for r in jsonl(job / "results.jsonl")] == ["ok"]
+    errors = {e["custom_id"]: e["error"] for e in jsonl(job / "errors.jsonl")}
+    assert set(errors) == {"bad-type", "bad-schema", "two", "empty-choice", "bad-n"}
+    assert "response_format" in errors["bad-type"]["message"]
+    assert "guided_json" in errors["bad-schema"]["message"]
+    assert "bogus" in errors["bad-schema"]["message"]
+    assert "guided_regex" in errors["two"]["message"]
+    assert errors["bad-n"]["code"] == "invalid_field" and "n must" in errors["bad-n"]["message"]
+
+
+def test_bad_job_constraint_flags_are_usage_errors(tmp_path):
+    rows = write_rows(tmp_path / "rows.jsonl", [{"prompt": "x"}])
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "bogus"}')
+    assert "bogus" in run(rows, "--json-schema", schema, code=2).output
+    assert "at most one" in run(rows, "--choices", "a,b", "--regex", "a", code=2).output
+    assert "distinct" in run(rows, "--choices", "a,a", code=2).output
+
+
+def test_an_answer_cut_short_of_its_schema_is_an_error_not_a_result(tmp_path):
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+    rows = [{"custom_id": "short", "prompt": review(1), "max_tokens": 3,
+             "response_format": schema},
+            {"custom_id": "full", "prompt": review(1), "max_tokens": 96,
+             "response_format": schema}]
+    rows += [{"custom_id": f"object{i}", "prompt": review(i), "max_tokens": 60,
+              "response_format": {"type": "json_object"}} for i in range(6)]
+    job = tmp_path / "job"
+    run(write_rows(tmp_path / "rows.jsonl", rows), "--job-dir", job)
+    errors = {e["custom_id"]: e["error"] for e in jsonl(job / "errors.jsonl")}
+    results = {r["custom_id"]: r for r in jsonl(job / "results.jsonl")}
+    assert errors["short"]["code"] == "constraint_incomplete"
+    assert "max_tokens" in errors["short"]["message"]
+    jsonschema.validate(json.loads(results["full"]["text"]), SCHEMA)
+    for i in range(6):  # a free-form object either closes within max_tokens or is an error
+        row = f"object{i}"
+        if row in results:
+            assert isinstance(json.loads(results[row]["text"]), dict)
+        else:
+            assert errors[row]["code"] == "constraint_incomplete"
+
+
+def test_job_file_labels_the_sample_reviews_with_choices(tmp_path):
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    shutil.copy(ROOT / "jobs" / "label_reviews_choices.toml", jobs)
+    (tmp_path / "sample_data").mkdir()
+    shutil.copy(ROOT / "sample_data" / "reviews.parquet", tmp_path / "sample_data")
+    result = CliRunner().invoke(cli, ["run", str(jobs / "label_reviews_choices.toml"),
+                                      "--quiet"])
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(jobs / "label_reviews_choices" / "labels.parquet")
+    assert table.num_rows == 200 and "review" in table.schema.names
+    for text, probs in zip(table.column("text").to_pylist(),
+                           table.column("choice_probs").to_pylist(), strict=True):
+        probs = dict(probs)
+        assert tuple(probs) == ("positive", "negative", "neutral")
+        assert text in probs
+        assert sum(probs.values()) == pytest.approx(1.0, abs=1e-5)
