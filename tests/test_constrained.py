@@ -163,7 +163,7 @@ def test_n_samples_are_distinct_reproducible_and_sample_0_is_the_row_itself(tmp_
     run(rows, "--job-dir", a, "--n", "4", "--temperature", "1.0")
     run(rows, "--job-dir", b, "--n", "4", "--temperature", "1.0", "--max-concurrency", "3")
     run(rows, "--job-dir", one, "--temperature", "1.0")
-    ra, rb, r1 = jsonl(a / "results.jsonl"), jsonl(b / "results.jsonl"), jsonl(one / "results.jsonl")
+    ra, rb, r1 = (jsonl(d / "results.jsonl") for d in (a, b, one))
     assert ra == rb  # reproducible, whatever the batching
     for row, single in zip(ra[:6], r1[:6], strict=True):
         texts = [s["text"] for s in row["samples"]]

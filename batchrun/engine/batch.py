@@ -79,6 +79,9 @@ class LeanGenerationBatch(GenerationBatch):
         logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
         contexts = []
         if any(self.logits_processors):
+            # Start this step's forward pass now: the grammar masks need the tokens of the
+            # step before, and are computed on the host while the device runs the model.
+            mx.async_eval(logits)
             logits, contexts = self._process(logits, inputs)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         self._next_tokens = self._sample(logprobs)
