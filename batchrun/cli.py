@@ -23,7 +23,7 @@ JOB_FILE_KEYS = ("input", "model", "output", "job_dir", "max_concurrency", "max_
                  "temperature", "top_p", "top_k", "min_p", "seed", "stop", "system",
                  "prompt_template", "id_column", "memory_utilization", "prefill_batch_size",
                  "prefill_step_size", "cache_dir", "no_prefix_cache", "json_schema", "choices",
-                 "regex", "n", "logprobs", "top_logprobs")
+                 "regex", "n", "logprobs", "top_logprobs", "image_column", "vision")
 JOB_FILE_PATHS = ("input", "output", "job_dir", "cache_dir", "json_schema")
 
 
@@ -68,6 +68,11 @@ def cli() -> None:
 @click.option("--n", "n", type=click.IntRange(1, 128), default=1, show_default=True,
               help="samples per row (rows may set their own `n`)")
 @click.option("--logprobs", is_flag=True, help="log-probabilities of the generated tokens")
+@click.option("--image-column", default=None,
+              help="column holding each row's image (bytes, a path or a URL): image rows")
+@click.option("--vision", is_flag=True,
+              help="load the model as a vision-language model (mlx-vlm) even if its config "
+                   "does not say so")
 @click.option("--top-logprobs", type=click.IntRange(0, 20), default=0, show_default=True,
               help="also the K most likely tokens at each position")
 @click.option("--system", default=None, help="system message prepended to chat rows")
@@ -133,7 +138,15 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
                               opts["id_column"], opts["n"]),
                    restart=opts["restart"], quiet=opts["quiet"])
 
-    engine = _load_engine(opts["model"], config, debug)
+    engine = _load_engine(opts["model"], config, debug, opts["vision"])
+    spec.rows.image_column = opts["image_column"]
+    if hasattr(engine.prompts, "prepare"):  # a vision model: rows may carry images
+        from batchrun.io.media import ImageCache
+
+        spec.rows.images = ImageCache()
+    elif opts["image_column"]:
+        raise click.UsageError("--image-column needs a vision model (pass --model with one, "
+                               "or --vision to force the vision path)")
     if constraint is not None:
         from batchrun.engine.constrain import ConstraintError
 
@@ -390,11 +403,15 @@ def cache_clear(cache_dir: Path | None, yes: bool) -> None:
     click.echo(f"cleared {root}")
 
 
-def _load_engine(model: str | None, config: EngineConfig, debug: bool):
+def _load_engine(model: str | None, config: EngineConfig, debug: bool, vision: bool = False):
     from batchrun.engine.engine import Engine
-    from batchrun.models import ModelError
+    from batchrun.models import ModelError, is_vision_config, read_config, resolve
 
     try:
+        if vision or is_vision_config(read_config(resolve(model))):
+            from batchrun.engine.vision import VisionEngine
+
+            return VisionEngine.load(model, config)
         return Engine.load(model, config)
     except ModelError as e:
         if debug:

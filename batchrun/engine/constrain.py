@@ -185,6 +185,11 @@ class GrammarProcessor:
         self.advance(int(context[-1].item()) if self.started else -1)
         return self.grammars.mask_rows(logits, [self])
 
+    def process_last_token(self, token: int, logits: mx.array) -> mx.array:
+        """mlx-vlm's processor call in a decode step: the last token comes as an int."""
+        self.advance(token)
+        return self.grammars.mask_rows(logits, [self])
+
     @property
     def complete(self) -> bool:
         """The answer so far is a whole match (it may stop here)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from batchrun.engine.constrain import Constraint, ConstraintError, response_format_constraint
@@ -37,6 +38,11 @@ class RowOptions:
     n: int = 1  # samples per row unless the row sets its own
     # Raises ConstraintError if a constraint does not compile for the model (the engine's).
     check_constraint: Any = None
+    # Image rows (a vision model): decoded images cached by content, the folder relative
+    # image paths start from, and the column that holds each row's image.
+    images: Any = None  # io.media.ImageCache
+    base_dir: Path = Path(".")
+    image_column: str | None = None
 
 
 @dataclass(slots=True)
@@ -49,6 +55,7 @@ class Task:
     openai: str | None = None  # "chat" or "completion" for OpenAI batch rows
     model: str | None = None  # the `body.model` of an OpenAI batch row
     n: int = 1  # samples; sample i > 0 samples with a seed derived from the row's (sample_params)
+    vision: Any = None  # engine.vision.VisionInputs for a row with images (a vision model)
 
     def sample_params(self) -> list[SamplingParams]:
         """One SamplingParams per sample: sample 0 is the row's own, the others get distinct
@@ -130,9 +137,9 @@ def _build(value: Any, index: int, line: int, custom_id: str, prompts: PromptBui
         # A seed from the job's base seed and the row's position: the same row samples the
         # same text on every run, resumed or not, whatever else shares its batch.
         params = dataclasses.replace(params, seed=row_seed(index, options.defaults.seed or 0))
-    ids = _prompt_ids(body, openai, prompts, options)
+    ids, vision = _prompt_ids(body, openai, prompts, options, value)
     model = body.get("model") if openai else None
-    return Task(index, line, custom_id, ids, params, openai, model, n)
+    return Task(index, line, custom_id, ids, params, openai, model, n, vision)
 
 
 GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
@@ -163,15 +170,20 @@ def row_constraint(body: dict, options: RowOptions) -> Constraint | None:
     return constraint
 
 
-def _prompt_ids(body: dict, openai: str | None, prompts: PromptBuilder,
-                options: RowOptions) -> list[int]:
+def _prompt_ids(body: dict, openai: str | None, prompts: PromptBuilder, options: RowOptions,
+                row: dict) -> tuple[list[int], Any]:
+    """The prompt's token ids, and the processor inputs of a row with images."""
+    column_image = row.get(options.image_column) if options.image_column else None
     if openai == "completion" or (openai is None and "prompt" in body):
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise RowRejected("invalid_prompt", "prompt must be a string")
         if not prompt:
             raise RowRejected("invalid_prompt", "prompt is empty")
-        return prompts.encode(prompt)
+        if column_image is not None:
+            return _with_images([{"role": "user", "content": prompt}], body, openai, prompts,
+                                options, column_image)
+        return prompts.encode(prompt), None
     if "messages" in body:
         messages = body["messages"]
     elif options.prompt_template is not None and openai is None:
@@ -184,7 +196,59 @@ def _prompt_ids(body: dict, openai: str | None, prompts: PromptBuilder,
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise RowRejected("invalid_field", "chat_template_kwargs must be an object")
-    return prompts.encode_chat(messages, tools=body.get("tools"), chat_template_kwargs=kwargs)
+    if column_image is not None or _has_images(messages, openai):
+        return _with_images(messages, body, openai, prompts, options, column_image)
+    return prompts.encode_chat(messages, tools=body.get("tools"), chat_template_kwargs=kwargs), \
+        None
+
+
+def _has_images(messages: Any, openai: str | None) -> bool:
+    from batchrun.io.media import MediaError, image_parts
+
+    try:
+        return bool(image_parts(messages, "body.messages" if openai else "messages"))
+    except MediaError as e:
+        raise RowRejected(e.code, str(e)) from None
+
+
+def _with_images(messages: list, body: dict, openai: str | None, prompts: Any,
+                 options: RowOptions, column_image: Any) -> tuple[list[int], Any]:
+    """Load the row's images (the image column's first, then those in the messages, in order)
+    and run the vision model's processor on them."""
+    from batchrun.io.media import MediaError, check_image_count, image_parts
+
+    if not hasattr(prompts, "prepare") or options.images is None:
+        raise RowRejected("vision_model_required",
+                          "this row has images but the model is a text model: pass --model "
+                          "with a vision-language model (or --vision to force the vision path)")
+    prefix = "body.messages" if openai else "messages"
+    try:
+        refs = image_parts(messages, prefix)
+        images = [options.images.load(ref, options.base_dir, where) for where, ref in refs]
+        if column_image is not None:
+            images.insert(0, options.images.load(column_image, options.base_dir,
+                                                 options.image_column))
+            messages = _prepend_image(messages)
+        check_image_count(len(images), prompts.max_images, prefix)
+    except MediaError as e:
+        raise RowRejected(e.code, str(e)) from None
+    kwargs = body.get("chat_template_kwargs")
+    inputs = prompts.prepare(messages, images, body.get("tools"), kwargs)
+    return inputs.input_ids, inputs
+
+
+def _prepend_image(messages: list) -> list:
+    """An image placeholder at the start of the last user message (the image column's)."""
+    out = list(messages)
+    for i in range(len(out) - 1, -1, -1):
+        m = out[i]
+        if isinstance(m, dict) and m.get("role") == "user":
+            content = m.get("content")
+            parts = content if isinstance(content, list) else [{"type": "text",
+                                                                "text": content or ""}]
+            out[i] = {**m, "content": [{"type": "image"}, *parts]}
+            return out
+    return [{"role": "user", "content": [{"type": "image"}]}, *out]
 
 
 def _fill(template: str, row: dict) -> str:

@@ -76,6 +76,7 @@ class JobSpec:
         r = self.rows
         options = {"sampling": dataclasses.asdict(r.defaults), "system": r.system,
                    "prompt_template": r.prompt_template, "id_column": r.id_column, "n": r.n,
+                   "image_column": r.image_column,
                    "output": str(self.output.resolve())}
         return orjson.loads(orjson.dumps(options))  # as job.json stores it (tuples are lists)
 
@@ -115,6 +116,7 @@ class JobRunner:
         self.model_name = model_name
         self.model_path = model_path
         self.device = device
+        spec.rows.base_dir = spec.input.resolve().parent  # relative image paths start here
         self.state = JobState(spec.job_dir, spec.results_path, spec.errors_path)
         self.lock = JobLock(spec.job_dir)
         self.rows_total = 0
@@ -271,7 +273,8 @@ class JobRunner:
             self._submit_sample(item, sample, params, sink, bar)
 
     def _submit_sample(self, task: Task, sample: int, params, sink: OrderedSink, bar) -> None:
-        key = _payload_key(task.prompt_ids, params)
+        images = task.vision.digests if task.vision is not None else ()
+        key = _payload_key(task.prompt_ids, params, images)
         if key in self._done:  # identical to a recent request: reuse its output
             self._done.move_to_end(key)
             self.deduplicated += 1
@@ -280,7 +283,10 @@ class JobRunner:
             self.deduplicated += 1
             self._pending[self._inflight[key]].append((task, sample))
         else:
-            request_id = self.engine.add_tokens(task.prompt_ids, params)
+            if task.vision is not None:
+                request_id = self.engine.add_vision(task.vision, params)
+            else:
+                request_id = self.engine.add_tokens(task.prompt_ids, params)
             self._pending[request_id] = [(task, sample)]
             self._inflight[key] = request_id
             self._request_key[request_id] = key
@@ -357,8 +363,11 @@ def _row_problem(task: Task, outs: list[Output]) -> tuple[str, str] | None:
     return None
 
 
-def _payload_key(prompt_ids: list[int], params) -> bytes:
+def _payload_key(prompt_ids: list[int], params, images: tuple[str, ...] = ()) -> bytes:
+    """Identical requests: the same tokens, sampling and images (an image's placeholder tokens
+    are the same for every image, so its content hash is part of the key)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(repr(dataclasses.astuple(params)).encode())
+    h.update("|".join(images).encode())
     h.update(b"\x00".join(str(t).encode() for t in prompt_ids))
     return h.digest()

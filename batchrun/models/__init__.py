@@ -60,6 +60,45 @@ def check_local(path: str) -> None:
         raise ModelError(f"{path} has no .safetensors weights: convert it with mlx_lm.convert")
 
 
+def read_config(path: str) -> dict:
+    """config.json of a local folder or of a Hugging Face id already in the local hub cache
+    ({} when there is none to read: mlx-lm then fetches and checks it)."""
+    import json
+
+    local = Path(path).expanduser()
+    if not (local / "config.json").is_file():
+        try:
+            from huggingface_hub import snapshot_download
+
+            local = Path(snapshot_download(path, allow_patterns=["config.json"],
+                                           local_files_only=True))
+        except Exception:
+            return {}
+    try:
+        return json.loads((local / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def is_vision_config(config: dict) -> bool:
+    """A vision-language model (mlx-vlm's kind): its config has a vision tower."""
+    return "vision_config" in config or "vision_tower" in config
+
+
+def load_vision_model(model: str) -> LoadedModel:
+    """Load a vision-language model through mlx-vlm; `tokenizer` is then its processor."""
+    try:
+        from mlx_vlm import load
+    except ImportError:
+        raise ModelError("vision models need mlx-vlm: pip install 'batchrun[vision]'") from None
+    path = resolve(model)
+    check_local(path)
+    m, processor = load(path)
+    config = read_config(path)
+    return LoadedModel(m, processor, config, path, context_length(config),
+                       model_fingerprint(path))
+
+
 def load_model(model: str | None) -> LoadedModel:
     from mlx_lm.utils import load
 
