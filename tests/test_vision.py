@@ -228,3 +228,23 @@ def test_job_file_describes_the_sample_images(tmp_path):
     source = jsonl(SAMPLE / "images.jsonl")
     assert [r["custom_id"] for r in results] == [r["custom_id"] for r in source]
     assert all(r["usage"]["completion_tokens"] > 0 for r in results)
+
+
+def test_stop_strings_and_constraints_on_image_rows(vlm):
+    from batchrun.engine.constrain import Constraint
+
+    free = engine(vlm, 1)
+    add(free, CHATS[0], SamplingParams(max_tokens=12))
+    (full,) = free.run()
+    stop = full.text[3:6]  # a string the row writes: it must end there
+    eng = engine(vlm, 8)
+    rid = add(eng, CHATS[0], SamplingParams(max_tokens=12, stop=(stop,)))
+    regex = add(eng, CHATS[1], SamplingParams(
+        max_tokens=20, constraint=Constraint.regex(r"[a-z]{2,6}-[0-9]{2}")))
+    outs = {o.request_id: o for o in eng.run()}
+    assert outs[rid].text == full.text[: full.text.index(stop)]
+    assert outs[rid].finish_reason.value == "stop"
+    import re
+
+    assert re.fullmatch(r"[a-z]{2,6}-[0-9]{2}", outs[regex].text)
+    assert outs[regex].constraint_complete

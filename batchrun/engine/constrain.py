@@ -111,13 +111,16 @@ class Grammars:
     """Compiles constraints for one model's tokenizer; one compiled matcher per constraint,
     copied for each row."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int):
+    def __init__(self, tokenizer: Any, vocab_size: int, eos: list[int] | None = None):
+        """`tokenizer`: mlx-lm's TokenizerWrapper or a Hugging Face fast tokenizer."""
         import llguidance.hf
 
-        eos = sorted(tokenizer.eos_token_ids)
+        if eos is None:
+            eos = sorted(tokenizer.eos_token_ids)
+        inner = getattr(tokenizer, "_tokenizer", None)  # mlx-lm's wrapper holds the HF one
+        hf = inner if hasattr(inner, "backend_tokenizer") else tokenizer
         self.vocab_size = vocab_size
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer._tokenizer, n_vocab=vocab_size,
-                                                      eos_token=eos)
+        self.tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos)
         self._templates: dict[Constraint, llguidance.LLMatcher] = {}
         self._executor = llguidance.LLExecutor()
 

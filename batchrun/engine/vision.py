@@ -224,7 +224,8 @@ class VisionEngine:
         if self._grammars is None:
             vocab = getattr(getattr(self.model, "config", None), "vocab_size", None) or getattr(
                 getattr(self.model.config, "text_config", None), "vocab_size", None)
-            self._grammars = Grammars(self.tokenizer, vocab or len(self.tokenizer))
+            self._grammars = Grammars(self.tokenizer, vocab or len(self.tokenizer),
+                                      sorted(self._eos))
         return self._grammars
 
     def check_constraint(self, constraint) -> None:
