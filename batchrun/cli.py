@@ -70,6 +70,14 @@ def cli() -> None:
 @click.option("--logprobs", is_flag=True, help="log-probabilities of the generated tokens")
 @click.option("--image-column", default=None,
               help="column holding each row's image (bytes, a path or a URL): image rows")
+@click.option("--ray", "ray_address", default=None, metavar="ADDRESS|local",
+              help="shard the job over a Ray cluster (local: one started in this process)")
+@click.option("--ray-actors", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Ray actors, each loading the model once")
+@click.option("--ray-num-cpus", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="CPUs each Ray actor reserves")
+@click.option("--ray-num-gpus", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="GPUs each Ray actor reserves")
 @click.option("--vision", is_flag=True,
               help="load the model as a vision-language model (mlx-vlm) even if its config "
                    "does not say so")
@@ -138,28 +146,34 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
                               opts["id_column"], opts["n"]),
                    restart=opts["restart"], quiet=opts["quiet"])
 
-    engine = _load_engine(opts["model"], config, debug, opts["vision"])
     spec.rows.image_column = opts["image_column"]
-    if hasattr(engine.prompts, "prepare"):  # a vision model: rows may carry images
+    if opts["ray_address"]:
+        runner = _ray_runner(spec, opts, config)
+        engine = runner.engine
+    else:
+        engine = _load_engine(opts["model"], config, debug, opts["vision"])
+        runner = None
+    if runner is None and hasattr(engine.prompts, "prepare"):  # a vision model: image rows
         from batchrun.io.media import ImageCache
 
         spec.rows.images = ImageCache()
-    elif opts["image_column"]:
+    elif runner is None and opts["image_column"]:
         raise click.UsageError("--image-column needs a vision model (pass --model with one, "
                                "or --vision to force the vision path)")
-    if constraint is not None:
-        from batchrun.engine.constrain import ConstraintError
+    if runner is None:
+        if constraint is not None:
+            from batchrun.engine.constrain import ConstraintError
 
-        try:
-            engine.check_constraint(constraint)
-        except ConstraintError as e:
-            raise click.UsageError(str(e)) from None
-    spec.rows.check_constraint = engine.check_constraint
-    click.echo(describe_runtime(engine, opts["model"]), err=True)
+            try:
+                engine.check_constraint(constraint)
+            except ConstraintError as e:
+                raise click.UsageError(str(e)) from None
+        spec.rows.check_constraint = engine.check_constraint
+        click.echo(describe_runtime(engine, opts["model"]), err=True)
+        runner = JobRunner(engine, spec, opts["model"] or "demo", engine.model_path,
+                           _device_name())
     from batchrun.job import report as rp
 
-    runner = JobRunner(engine, spec, opts["model"] or "demo", engine.model_path,
-                       _device_name())
     resume = f"batchrun run {' '.join(_quote(a) for a in sys.argv[2:])}".strip()
     try:
         report = runner.run()
@@ -182,11 +196,38 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
     if report["rows_failed"]:
         click.echo(f"errors:     {spec.errors_path}", err=True)
     click.echo(f"report:     {job_dir / 'report.html'}", err=True)
+    if opts["ray_address"]:
+        for w in report.get("workers", []):
+            click.echo(f"worker {w['actor']}: {w['rows']:,} rows in {w['slices']} slices, "
+                       f"{w['completion_tokens_per_s']:,.1f} tok/s busy ({w['node']}, "
+                       f"pid {w['pid']}{', died' if not w['alive'] else ''})", err=True)
+        return
     cache_stats = engine.get_cache_stats()
     if cache_stats and (cache_stats["hits"] or cache_stats["stored_blocks"]):
         click.echo(f"prefix cache: {cache_stats['hit_tokens']:,} prompt tokens reused "
                    f"({cache_stats['hits']:,} hits, {cache_stats['misses']:,} misses, "
                    f"{cache_stats['disk_loaded_blocks']:,} blocks from disk)", err=True)
+
+
+def _ray_runner(spec, opts: dict, config: EngineConfig):
+    """The job runner for --ray: the model is loaded by the Ray actors, not here."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise _fail("--ray needs Ray: pip install 'batchrun[ray]'") from None
+    from batchrun.job.distributed import RayJobRunner, RayOptions
+    from batchrun.models import is_vision_config, model_fingerprint, read_config, resolve
+
+    path = resolve(opts["model"])
+    vision = opts["vision"] or is_vision_config(read_config(path))
+    ray_options = RayOptions(opts["ray_address"], opts["ray_actors"], opts["ray_num_cpus"],
+                             opts["ray_num_gpus"])
+    click.echo(f"model:  {opts['model'] or 'demo'} ({path})\nray:    {opts['ray_address']}, "
+               f"{ray_options.actors} actors x {ray_options.num_cpus:g} CPU, "
+               f"{ray_options.num_gpus:g} GPU", err=True)
+    return RayJobRunner(spec, opts["model"], opts["model"] or "demo", path,
+                        model_fingerprint(path), config, f"ray {opts['ray_address']}",
+                        ray_options, vision)
 
 
 def _constraint_option(opts: dict):

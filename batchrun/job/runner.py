@@ -108,7 +108,95 @@ def read_rows(path: Path, start: int) -> Iterator[RawRow]:
     return read_parquet(path, start) if is_parquet(path) else read_jsonl(path, start)
 
 
-class JobRunner:
+class RowWork:
+    """Rows -> engine requests -> records: identical requests computed once, n samples per row,
+    one result or error record per row. Shared by the single-machine runner and Ray workers
+    (job/distributed.py); the owner sets `engine`, `row_options`, `model_name` and `created`."""
+
+    engine: Engine
+    row_options: RowOptions
+    model_name: str
+    created: int
+
+    def _init_work(self) -> None:
+        # engine request id -> (task, sample index) pairs awaiting it
+        self._pending: dict[int, list[tuple[Task, int]]] = {}
+        self._samples: dict[int, list[Output | None]] = {}  # row index -> its samples so far
+        self._inflight: dict[bytes, int] = {}  # payload hash -> engine request id
+        self._request_key: dict[int, bytes] = {}
+        self._done: OrderedDict[bytes, Output] = OrderedDict()
+        self.deduplicated = 0
+
+    def _build_task(self, raw: RawRow) -> Task | RowError:
+        return build_task(raw.value, raw.index, raw.line, self.engine.prompts, self.row_options)
+
+    def _submit(self, item: Task | RowError, sink, bar) -> None:
+        if isinstance(item, RowError):
+            self._write_error(item, sink, openai=False)
+            bar.update(1)
+            return
+        self._samples[item.index] = [None] * item.n
+        for sample, params in enumerate(item.sample_params()):
+            self._submit_sample(item, sample, params, sink, bar)
+
+    def _submit_sample(self, task: Task, sample: int, params, sink, bar) -> None:
+        images = task.vision.digests if task.vision is not None else ()
+        key = _payload_key(task.prompt_ids, params, images)
+        if key in self._done:  # identical to a recent request: reuse its output
+            self._done.move_to_end(key)
+            self.deduplicated += 1
+            self._deliver(task, sample, self._done[key], sink, bar)
+        elif key in self._inflight:  # identical to a request being computed: wait for it
+            self.deduplicated += 1
+            self._pending[self._inflight[key]].append((task, sample))
+        else:
+            if task.vision is not None:
+                request_id = self.engine.add_vision(task.vision, params)
+            else:
+                request_id = self.engine.add_tokens(task.prompt_ids, params)
+            self._pending[request_id] = [(task, sample)]
+            self._inflight[key] = request_id
+            self._request_key[request_id] = key
+
+    def _finish(self, out: Output, sink, bar) -> None:
+        waiting = self._pending.pop(out.request_id)
+        key = self._request_key.pop(out.request_id)
+        del self._inflight[key]
+        if out.finish_reason is not FinishReason.ERROR:
+            self._done[key] = out
+            if len(self._done) > DONE_CACHE_SIZE:
+                self._done.popitem(last=False)
+        for task, sample in waiting:
+            self._deliver(task, sample, out, sink, bar)
+
+    def _deliver(self, task: Task, sample: int, out: Output, sink, bar) -> None:
+        """One sample of a row is done; the row is written when all its samples are."""
+        outs = self._samples[task.index]
+        outs[sample] = out
+        if all(o is not None for o in outs):
+            del self._samples[task.index]
+            self._write(task, outs, sink)
+            bar.update(1)
+
+    def _write(self, task: Task, outs: list[Output], sink) -> None:
+        problem = _row_problem(task, outs)
+        if problem is not None:
+            code, message = problem
+            self._write_error(RowError(task.index, task.line, task.custom_id, code, message),
+                              sink, openai=task.openai is not None)
+            return
+        record = result_record(task, outs, self.model_name, self.created, self._token_bytes)
+        sink.put(task.index, orjson.dumps(record) + b"\n", is_error=False, outs=outs)
+
+    def _token_bytes(self, token: int) -> bytes:
+        return self.engine.grammars.token_bytes(token)  # built on first use
+
+    def _write_error(self, error: RowError, sink, openai: bool) -> None:
+        sink.put(error.index, orjson.dumps(error_record(error, openai)) + b"\n", is_error=True)
+
+
+
+class JobRunner(RowWork):
     def __init__(self, engine: Engine, spec: JobSpec, model_name: str, model_path: str,
                  device: str):
         self.engine = engine
@@ -122,14 +210,8 @@ class JobRunner:
         self.rows_total = 0
         self.manifest: dict = {}
         self.report: dict = {}
-        # engine request id -> (task, sample index) pairs awaiting it
-        self._pending: dict[int, list[tuple[Task, int]]] = {}
-        self._samples: dict[int, list[Output | None]] = {}  # row index -> its samples so far
-        self._inflight: dict[bytes, int] = {}  # payload hash -> engine request id
-        self._request_key: dict[int, bytes] = {}
-        self._done: OrderedDict[bytes, Output] = OrderedDict()
+        self._init_work()
         self._interrupted = False
-        self.deduplicated = 0
         self._seen_ids: dict[bytes, int] = {}  # hash of an explicit row id -> its first line
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -175,7 +257,7 @@ class JobRunner:
             self.lock.release()
 
     def _run(self, progress: Progress) -> dict:
-        spec, engine = self.spec, self.engine
+        spec = self.spec
         started = time.time()
         t0 = time.perf_counter()
         runs = [] if spec.restart else rp.previous_runs(spec.job_dir)
@@ -183,15 +265,48 @@ class JobRunner:
         status = "completed"
         sink = OrderedSink(spec.results_path, spec.errors_path, progress)
         self._remember_ids(progress.next_index)
-        target = engine.max_concurrency + engine.config.prefill_batch_size
-        feeder = Feeder(read_rows(spec.input, progress.next_index), self._build,
-                        lookahead=2 * target)
         bar = tqdm(total=self.rows_total, initial=progress.next_index, unit="row",
                    disable=spec.quiet, dynamic_ncols=True, smoothing=0.1)
-        last_commit = last_bar = time.perf_counter()
+        last = {"commit": time.perf_counter(), "bar": time.perf_counter()}
+
+        def tick() -> None:
+            """Commit and refresh the progress bar when their intervals have passed."""
+            now = time.perf_counter()
+            if now - last["commit"] >= COMMIT_INTERVAL_S:
+                last["commit"] = now
+                self._commit(sink, runs, started, now - t0, "running")
+            if now - last["bar"] >= PROGRESS_INTERVAL_S:
+                last["bar"] = now
+                bar.set_postfix_str(self._rates(now - t0, sink), refresh=False)
+
         main_thread = threading.current_thread() is threading.main_thread()
         if main_thread:
             previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+        try:
+            self._loop(progress, sink, bar, tick)
+            if self._interrupted:
+                status = "interrupted"
+        except BaseException:
+            status = "failed"
+            raise
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGINT, previous_sigint)
+            bar.close()
+            self._commit(sink, runs, started, time.perf_counter() - t0, status)
+            sink.close()
+        if self._interrupted:
+            raise Interrupted()
+        if spec.parquet_output:
+            write_parquet_output(spec.input, spec.results_path, spec.errors_path, spec.output)
+        return self.report
+
+    def _loop(self, progress: Progress, sink: OrderedSink, bar, tick) -> None:
+        """Feed rows to the engine and write what it finishes until every row is done."""
+        engine = self.engine
+        target = engine.max_concurrency + engine.config.prefill_batch_size
+        feeder = Feeder(read_rows(self.spec.input, progress.next_index), self._build,
+                        lookahead=2 * target)
         try:
             while not self._interrupted:
                 idle = not engine.has_work()
@@ -202,30 +317,9 @@ class JobRunner:
                     break
                 for out in engine.step():
                     self._finish(out, sink, bar)
-                now = time.perf_counter()
-                if now - last_commit >= COMMIT_INTERVAL_S:
-                    last_commit = now
-                    self._commit(sink, runs, started, now - t0, "running")
-                if now - last_bar >= PROGRESS_INTERVAL_S:
-                    last_bar = now
-                    bar.set_postfix_str(self._rates(now - t0, sink), refresh=False)
-            if self._interrupted:
-                status = "interrupted"
-        except BaseException:
-            status = "failed"
-            raise
+                tick()
         finally:
-            if main_thread:
-                signal.signal(signal.SIGINT, previous_sigint)
             feeder.close()
-            bar.close()
-            self._commit(sink, runs, started, time.perf_counter() - t0, status)
-            sink.close()
-        if self._interrupted:
-            raise Interrupted()
-        if spec.parquet_output:
-            write_parquet_output(spec.input, spec.results_path, spec.errors_path, spec.output)
-        return self.report
 
     def _on_sigint(self, signum, frame) -> None:
         if self._interrupted:  # a second Ctrl-C: stop now
@@ -238,7 +332,15 @@ class JobRunner:
         duplicate = self._check_id(raw)
         if duplicate is not None:
             return duplicate
-        return build_task(raw.value, raw.index, raw.line, self.engine.prompts, self.spec.rows)
+        return self._build_task(raw)
+
+    @property
+    def row_options(self) -> RowOptions:
+        return self.spec.rows
+
+    @property
+    def created(self) -> int:
+        return self.manifest["created"]
 
     def _check_id(self, raw: RawRow) -> RowError | None:
         """A row whose explicit id an earlier row already used is an error (the later one)."""
@@ -262,71 +364,6 @@ class JobRunner:
                 break
             if raw.error is None:
                 self._check_id(raw)
-
-    def _submit(self, item: Task | RowError, sink: OrderedSink, bar) -> None:
-        if isinstance(item, RowError):
-            self._write_error(item, sink, openai=False)
-            bar.update(1)
-            return
-        self._samples[item.index] = [None] * item.n
-        for sample, params in enumerate(item.sample_params()):
-            self._submit_sample(item, sample, params, sink, bar)
-
-    def _submit_sample(self, task: Task, sample: int, params, sink: OrderedSink, bar) -> None:
-        images = task.vision.digests if task.vision is not None else ()
-        key = _payload_key(task.prompt_ids, params, images)
-        if key in self._done:  # identical to a recent request: reuse its output
-            self._done.move_to_end(key)
-            self.deduplicated += 1
-            self._deliver(task, sample, self._done[key], sink, bar)
-        elif key in self._inflight:  # identical to a request being computed: wait for it
-            self.deduplicated += 1
-            self._pending[self._inflight[key]].append((task, sample))
-        else:
-            if task.vision is not None:
-                request_id = self.engine.add_vision(task.vision, params)
-            else:
-                request_id = self.engine.add_tokens(task.prompt_ids, params)
-            self._pending[request_id] = [(task, sample)]
-            self._inflight[key] = request_id
-            self._request_key[request_id] = key
-
-    def _finish(self, out: Output, sink: OrderedSink, bar) -> None:
-        waiting = self._pending.pop(out.request_id)
-        key = self._request_key.pop(out.request_id)
-        del self._inflight[key]
-        if out.finish_reason is not FinishReason.ERROR:
-            self._done[key] = out
-            if len(self._done) > DONE_CACHE_SIZE:
-                self._done.popitem(last=False)
-        for task, sample in waiting:
-            self._deliver(task, sample, out, sink, bar)
-
-    def _deliver(self, task: Task, sample: int, out: Output, sink: OrderedSink, bar) -> None:
-        """One sample of a row is done; the row is written when all its samples are."""
-        outs = self._samples[task.index]
-        outs[sample] = out
-        if all(o is not None for o in outs):
-            del self._samples[task.index]
-            self._write(task, outs, sink)
-            bar.update(1)
-
-    def _write(self, task: Task, outs: list[Output], sink: OrderedSink) -> None:
-        problem = _row_problem(task, outs)
-        if problem is not None:
-            code, message = problem
-            self._write_error(RowError(task.index, task.line, task.custom_id, code, message),
-                              sink, openai=task.openai is not None)
-            return
-        record = result_record(task, outs, self.model_name, self.manifest["created"],
-                               self._token_bytes)
-        sink.put(task.index, orjson.dumps(record) + b"\n", is_error=False, outs=outs)
-
-    def _token_bytes(self, token: int) -> bytes:
-        return self.engine.grammars.token_bytes(token)  # built on first use
-
-    def _write_error(self, error: RowError, sink: OrderedSink, openai: bool) -> None:
-        sink.put(error.index, orjson.dumps(error_record(error, openai)) + b"\n", is_error=True)
 
     def _commit(self, sink: OrderedSink, runs: list[dict], started: float, wall: float,
                 status: str) -> None:
