@@ -23,7 +23,8 @@ JOB_FILE_KEYS = ("input", "model", "output", "job_dir", "max_concurrency", "max_
                  "temperature", "top_p", "top_k", "min_p", "seed", "stop", "system",
                  "prompt_template", "id_column", "memory_utilization", "prefill_batch_size",
                  "prefill_step_size", "cache_dir", "no_prefix_cache", "json_schema", "choices",
-                 "regex", "n", "logprobs", "top_logprobs", "image_column", "vision")
+                 "regex", "n", "logprobs", "top_logprobs", "image_column", "vision", "ray_address",
+                 "ray_actors", "ray_num_cpus", "ray_num_gpus", "ray_slice_rows")
 JOB_FILE_PATHS = ("input", "output", "job_dir", "cache_dir", "json_schema")
 
 
@@ -78,6 +79,8 @@ def cli() -> None:
               help="CPUs each Ray actor reserves")
 @click.option("--ray-num-gpus", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="GPUs each Ray actor reserves")
+@click.option("--ray-slice-rows", type=click.IntRange(min=1), default=64, show_default=True,
+              help="rows per slice handed to an actor (an actor batches within a slice)")
 @click.option("--vision", is_flag=True,
               help="load the model as a vision-language model (mlx-vlm) even if its config "
                    "does not say so")
@@ -221,7 +224,7 @@ def _ray_runner(spec, opts: dict, config: EngineConfig):
     path = resolve(opts["model"])
     vision = opts["vision"] or is_vision_config(read_config(path))
     ray_options = RayOptions(opts["ray_address"], opts["ray_actors"], opts["ray_num_cpus"],
-                             opts["ray_num_gpus"])
+                             opts["ray_num_gpus"], opts["ray_slice_rows"])
     click.echo(f"model:  {opts['model'] or 'demo'} ({path})\nray:    {opts['ray_address']}, "
                f"{ray_options.actors} actors x {ray_options.num_cpus:g} CPU, "
                f"{ray_options.num_gpus:g} GPU", err=True)

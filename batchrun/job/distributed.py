@@ -38,7 +38,7 @@ from batchrun.job.runner import (
     read_rows,
 )
 
-SLICE_ROWS = 32  # rows per slice
+SLICE_ROWS = 64  # rows per slice: an actor batches within a slice, so not too few
 IN_FLIGHT = 2  # slices an actor holds at once: one running, one ready to start
 
 
