@@ -83,7 +83,28 @@ class Sequence:
         return len(self.prompt) + self.max_tokens
 
 
-class Engine:
+class StepLoop:
+    """What both engines (this one and vision.py's) share: running to the end, and the
+    timeline. The engine provides has_work, step, stats, generated_tokens, _running,
+    _started and _last_sample."""
+
+    def run(self) -> list[Output]:
+        """Step until every queued request has finished; outputs ordered by request id."""
+        outputs = []
+        while self.has_work():
+            outputs.extend(self.step())
+        return sorted(outputs, key=lambda o: o.request_id)
+
+    def sample_timeline(self, force: bool = False) -> None:
+        """Record (time, prompt tokens, generated tokens, running) every interval, or now."""
+        t = time.perf_counter() - self._started
+        if force or t - self._last_sample >= TIMELINE_INTERVAL_S:
+            self._last_sample = t
+            self.stats.timeline.append((round(t, 3), self.stats.prompt_tokens,
+                                        self.generated_tokens, len(self._running)))
+
+
+class Engine(StepLoop):
     """Add requests, call `step()` until `has_work()` is false; each step returns finished ones."""
 
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None,
@@ -327,12 +348,6 @@ class Engine:
         self.stats.requests_finished += len(finished)
         return finished
 
-    def run(self) -> list[Output]:
-        """Step until every queued request has finished; outputs ordered by request id."""
-        outputs = []
-        while self.has_work():
-            outputs.extend(self.step())
-        return sorted(outputs, key=lambda o: o.request_id)
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None
                  ) -> list[Output]:
@@ -584,13 +599,6 @@ class Engine:
         s.peak_memory_bytes = max(s.peak_memory_bytes, mx.get_peak_memory())
         self.sample_timeline()
 
-    def sample_timeline(self, force: bool = False) -> None:
-        """Record (time, prompt tokens, generated tokens, running) every interval, or now."""
-        t = time.perf_counter() - self._started
-        if force or t - self._last_sample >= TIMELINE_INTERVAL_S:
-            self._last_sample = t
-            self.stats.timeline.append((round(t, 3), self.stats.prompt_tokens,
-                                        self.generated_tokens, len(self._running)))
 
     def _live_tokens(self) -> int:
         return sum(len(seq.tokens) for seq in self._running.values())

@@ -33,7 +33,12 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from batchrun.engine.constrain import ConstraintError, GrammarProcessor, Grammars
-from batchrun.engine.engine import MAX_AUTO_CONCURRENCY, TIMELINE_INTERVAL_S, _find_stop
+from batchrun.engine.engine import (
+    MAX_AUTO_CONCURRENCY,
+    TIMELINE_INTERVAL_S,
+    StepLoop,
+    _find_stop,
+)
 from batchrun.engine.memory import MemoryBudget, kv_budget, measure_kv
 from batchrun.engine.request import (
     EngineConfig,
@@ -165,7 +170,7 @@ class _Row:
     ttft: float | None = None
 
 
-class VisionEngine:
+class VisionEngine(StepLoop):
     """Add requests (`add_vision`, or `add_tokens` for text-only rows), call `step()` until
     `has_work()` is false; each step returns finished outputs. Same surface as `Engine`."""
 
@@ -317,19 +322,6 @@ class VisionEngine:
         finished, self._finished = self._finished, []
         self.stats.requests_finished += len(finished)
         return finished
-
-    def run(self) -> list[Output]:
-        outputs = []
-        while self.has_work():
-            outputs.extend(self.step())
-        return sorted(outputs, key=lambda o: o.request_id)
-
-    def sample_timeline(self, force: bool = False) -> None:
-        t = time.perf_counter() - self._started
-        if force or t - self._last_sample >= TIMELINE_INTERVAL_S:
-            self._last_sample = t
-            self.stats.timeline.append((round(t, 3), self.stats.prompt_tokens,
-                                        self.generated_tokens, len(self._running)))
 
     def close(self) -> None:
         self._gen.close()
