@@ -133,3 +133,11 @@ def test_a_killed_driver_resumes_with_every_row_exactly_once(tmp_path):
     assert [r["index"] for r in jsonl(results)] == sorted(r["index"] for r in jsonl(results))
     report = orjson.loads((job / "report.json").read_bytes())
     assert len(report["runs"]) == 2 and report["runs"][-1]["status"] == "completed"
+
+
+def test_ray_flag_without_ray_installed_says_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray now raises ImportError
+    rows = rows_file(tmp_path / "rows.jsonl", 3)
+    result = CliRunner().invoke(cli, ["run", str(rows), "--ray", "local", "--quiet"])
+    assert result.exit_code == 1
+    assert "pip install 'batchrun[ray]'" in result.output
