@@ -137,7 +137,7 @@ def test_a_killed_driver_resumes_with_every_row_exactly_once(tmp_path):
 
 def test_ray_flag_without_ray_installed_says_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray now raises ImportError
-    rows = rows_file(tmp_path / "rows.jsonl", 3)
+    rows = rows_file(tmp_path / "rows.jsonl", 12)
     result = CliRunner().invoke(cli, ["run", str(rows), "--ray", "local", "--quiet"])
     assert result.exit_code == 1
     assert "pip install 'batchrun[ray]'" in result.output
