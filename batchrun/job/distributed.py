@@ -10,7 +10,9 @@ record per row. So the guarantees are the single machine's:
   recomputed; a slice in flight at the kill is);
 - a worker that dies has its slice retried on another; a slice is small (SLICE_ROWS), so a lost
   worker costs little;
-- slices are handed out as workers ask (at most IN_FLIGHT each), so a faster worker takes more.
+- slices are handed out as workers ask (enough in flight to fill an actor's batch, plus one),
+  so a faster worker takes more;
+  inside a worker, a slice's rows join the batch still decoding the previous one's.
 
 Ray's own checkpointing (Ray Data's CheckpointConfig) keys on row ids and writes unordered part
 files; the job folder's commit protocol already gives ordered, exactly-once output, so it is
@@ -21,7 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
+import queue
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,8 +41,8 @@ from batchrun.job.runner import (
     read_rows,
 )
 
-SLICE_ROWS = 64  # rows per slice: an actor batches within a slice, so not too few
-IN_FLIGHT = 2  # slices an actor holds at once: one running, one ready to start
+SLICE_ROWS = 64  # rows per slice
+MIN_IN_FLIGHT = 2  # slices an actor holds at once, their rows in one running batch
 
 
 def ray_missing() -> str:
@@ -64,18 +67,33 @@ class Usage:
     completion_tokens: int
 
 
-class _CollectSink:
-    """The worker's sink: records in completion order, for the driver's ordered sink."""
+class _SliceJob:
+    """One run_slice call: its rows, the records collected so far, and a done signal."""
+
+    def __init__(self, rows: list[RawRow]):
+        self.rows = rows
+        self.records: list[tuple[int, bytes, bool, Usage | None]] = []
+        self.remaining = len(rows)
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
+class _RoutingSink:
+    """The worker's sink: each record goes to the slice its row came in."""
 
     def __init__(self):
-        self.records: list[tuple[int, bytes, bool, Usage | None]] = []
+        self.owner: dict[int, _SliceJob] = {}
 
     def put(self, index: int, line: bytes, is_error: bool, outs=()) -> None:
         usage = None
         if outs:
             usage = Usage(outs[0].prompt_tokens, outs[0].cached_tokens,
                           sum(o.completion_tokens for o in outs))
-        self.records.append((index, line, is_error, usage))
+        job = self.owner.pop(index)
+        job.records.append((index, line, is_error, usage))
+        job.remaining -= 1
+        if job.remaining == 0:
+            job.done.set()
 
 
 class _NoBar:
@@ -83,8 +101,18 @@ class _NoBar:
         pass
 
 
+STAT_FIELDS = ("prompt_tokens", "cached_tokens", "completion_tokens", "prefill_time",
+               "decode_time", "decode_steps", "batch_size_sum", "peak_memory_bytes")
+
+
 class SliceWorker(RowWork):
-    """Runs slices of rows on one model loaded once (the body of a Ray actor)."""
+    """Runs slices of rows on one model loaded once (the body of a Ray actor).
+
+    Ray calls `run_slice` from several threads at once; one engine thread owns the
+    engine and the row code, takes each slice's rows into the running batch as they arrive, and
+    hands every record back to the call its row came in. So a slice's rows join a batch that
+    is still decoding the previous slice's: the batch does not drain between slices.
+    """
 
     def __init__(self, model: str | None, config: EngineConfig, row_options, model_name: str,
                  created: int, vision: bool):
@@ -104,30 +132,61 @@ class SliceWorker(RowWork):
         self.model_name = model_name
         self.created = created
         self._init_work()
+        self._inbox: queue.Queue[_SliceJob] = queue.Queue()
+        self._sink = _RoutingSink()
+        self._ttfts_sent = 0
+        self._report_lock = threading.Lock()
+        threading.Thread(target=self._drive, name="batchrun-engine", daemon=True).start()
 
     def run_slice(self, rows: list[RawRow]) -> dict:
-        """Every row of the slice to a record; with this slice's engine figures."""
-        sink, bar = _CollectSink(), _NoBar()
-        before = dataclasses.replace(self.engine.stats, ttfts=[], timeline=[])
-        ttfts = len(self.engine.stats.ttfts)
-        start = time.perf_counter()
-        for raw in rows:
+        """Every row of the slice to a record, with the engine's figures so far."""
+        job = _SliceJob(rows)
+        self._inbox.put(job)
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        with self._report_lock:  # each TTFT is reported once, by whichever call comes first
+            stats = self.engine.stats
+            ttfts = stats.ttfts[self._ttfts_sent:]
+            self._ttfts_sent += len(ttfts)
+        figures = {name: getattr(stats, name) for name in STAT_FIELDS}
+        figures["ttfts"] = ttfts
+        return {"records": job.records, "stats": figures, "pid": os.getpid(),
+                "node": _node_ip()}
+
+    def _drive(self) -> None:
+        """The engine thread: admit arriving slices, step the engine, route records."""
+        bar = _NoBar()
+        while True:
+            block = not self.engine.has_work()
+            try:
+                job = self._inbox.get(block=block)
+                while True:
+                    self._take(job, bar)
+                    job = self._inbox.get_nowait()
+            except queue.Empty:
+                pass
+            try:
+                for out in self.engine.step():
+                    self._finish(out, self._sink, bar)
+            except BaseException as e:  # fail every waiting call: the driver sees the error
+                for waiting in set(self._sink.owner.values()):
+                    waiting.error = e
+                    waiting.done.set()
+                raise
+
+    def _take(self, job: _SliceJob, bar) -> None:
+        if not job.rows:
+            job.done.set()
+            return
+        for raw in job.rows:
+            self._sink.owner[raw.index] = job
+        for raw in job.rows:
             if raw.error is not None:
                 item = RowError(raw.index, raw.line, str(raw.index), "invalid_json", raw.error)
             else:
                 item = self._build_task(raw)
-            self._submit(item, sink, bar)
-        while self.engine.has_work():
-            for out in self.engine.step():
-                self._finish(out, sink, bar)
-        after = self.engine.stats
-        delta = {name: getattr(after, name) - getattr(before, name) for name in (
-            "prompt_tokens", "cached_tokens", "completion_tokens", "prefill_time",
-            "decode_time", "decode_steps", "batch_size_sum")}
-        delta["peak_memory_bytes"] = after.peak_memory_bytes
-        delta["ttfts"] = after.ttfts[ttfts:]
-        return {"records": sink.records, "stats": delta, "busy_s": time.perf_counter() - start,
-                "pid": os.getpid(), "node": _node_ip()}
+            self._submit(item, self._sink, bar)
 
     def ping(self) -> int:
         return os.getpid()
@@ -195,12 +254,15 @@ class RayJobRunner(JobRunner):
         per_actor = config.max_concurrency or MAX_AUTO_CONCURRENCY
         view = _StatsView(max_concurrency=per_actor * ray_options.actors,
                           model_fingerprint=fingerprint, config=config)
+        # Slices in flight per actor: enough rows to fill its batch, and one more ready.
+        self.in_flight = max(MIN_IN_FLIGHT, -(-per_actor // ray_options.slice_rows) + 1)
         super().__init__(view, spec, model_name, model_path, device)
         self.model = model
         self.config = config
         self.ray_options = ray_options
         self.vision = vision
         self.workers: list[WorkerFigures] = []
+        self._actor_stats: dict[int, dict] = {}
         self._on_result = on_result  # tests: called with (runner, actors) after each slice
         self._own_ray = False
 
@@ -234,7 +296,7 @@ class RayJobRunner(JobRunner):
 
         opts = self.ray_options
         actor_class = ray.remote(num_cpus=opts.num_cpus, num_gpus=opts.num_gpus,
-                                 max_restarts=0)(SliceWorker)
+                                 max_restarts=0, max_concurrency=self.in_flight)(SliceWorker)
         row_options = dataclasses.replace(self.spec.rows, check_constraint=None, images=None)
         actors = [actor_class.remote(self.model, self.config, row_options, self.model_name,
                                      self.created, self.vision) for _ in range(opts.actors)]
@@ -248,7 +310,7 @@ class RayJobRunner(JobRunner):
         while not self._interrupted:
             while live and (retry or not exhausted):
                 actor = min(live, key=load.__getitem__)
-                if load[actor] >= IN_FLIGHT:
+                if load[actor] >= self.in_flight:
                     break
                 rows = retry.popleft() if retry else next(slices, None)
                 if rows is None:
@@ -300,19 +362,20 @@ class RayJobRunner(JobRunner):
         for index, line, is_error, usage in result["records"]:
             sink.put(index, line, is_error, [usage] if usage is not None else ())
         bar.update(len(result["records"]))
-        s, d = self.engine.stats, result["stats"]
-        for name in ("prompt_tokens", "cached_tokens", "completion_tokens", "prefill_time",
-                     "decode_time", "decode_steps", "batch_size_sum"):
-            setattr(s, name, getattr(s, name) + d[name])
-        s.peak_memory_bytes = max(s.peak_memory_bytes, d["peak_memory_bytes"])
-        s.ttfts.extend(d["ttfts"])
+        figures = result["stats"]  # the actor's engine so far
+        self._actor_stats[actor] = figures
+        s = self.engine.stats
+        for name in STAT_FIELDS:
+            values = [f[name] for f in self._actor_stats.values()]
+            setattr(s, name, max(values) if name == "peak_memory_bytes" else sum(values))
+        s.ttfts.extend(figures["ttfts"])
         s.requests_finished += len(result["records"])
         w = self.workers[actor]
         w.node, w.pid = result["node"], result["pid"]
         w.slices += 1
         w.rows += len(result["records"])
-        w.completion_tokens += d["completion_tokens"]
-        w.busy_s += result["busy_s"]
+        w.completion_tokens = figures["completion_tokens"]
+        w.busy_s = figures["prefill_time"] + figures["decode_time"]
 
     def _commit(self, sink, runs, started, wall, status) -> None:
         super()._commit(sink, runs, started, wall, status)
