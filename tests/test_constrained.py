@@ -12,6 +12,7 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+from helpers import jsonl, run, write_rows
 
 from batchrun.cli import cli
 from batchrun.engine.constrain import Constraint
@@ -33,19 +34,10 @@ SCHEMA = {
 CHOICES = ["positive", "negative", "neutral", "mixed feelings"]
 
 
-def jsonl(path):
-    return [orjson.loads(x) for x in Path(path).read_bytes().splitlines() if x.strip()]
 
 
-def run(*args, code=0):
-    result = CliRunner().invoke(cli, ["run", *map(str, args), "--quiet"])
-    assert result.exit_code == code, result.output
-    return result
 
 
-def write_rows(path: Path, rows: list[dict]) -> Path:
-    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
-    return path
 
 
 def review(i: int) -> str:

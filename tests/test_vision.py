@@ -7,11 +7,11 @@ import shutil
 from pathlib import Path
 
 import mlx_vlm
-import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+from helpers import jsonl, run, write_rows
 from PIL import Image
 
 from batchrun.cli import cli
@@ -119,19 +119,10 @@ def test_a_repeated_image_is_encoded_once(vlm):
     assert (eng.feature_misses, eng.feature_hits) == (2, 3)
 
 
-def jsonl(path):
-    return [orjson.loads(x) for x in Path(path).read_bytes().splitlines() if x.strip()]
 
 
-def run(*args, code=0):
-    result = CliRunner().invoke(cli, ["run", *map(str, args), "--quiet"])
-    assert result.exit_code == code, result.output
-    return result
 
 
-def write_rows(path: Path, rows: list[dict]) -> Path:
-    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
-    return path
 
 
 def test_same_text_different_images_are_never_confused(tmp_path):

@@ -1,0 +1,24 @@
+"""Small helpers the job-level tests share: run the CLI in-process, write and read JSONL."""
+
+from pathlib import Path
+
+import orjson
+from click.testing import CliRunner
+
+from batchrun.cli import cli
+
+
+def jsonl(path) -> list:
+    return [orjson.loads(x) for x in Path(path).read_bytes().splitlines() if x.strip()]
+
+
+def write_rows(path: Path, rows: list[dict]) -> Path:
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    return path
+
+
+def run(*args, code=0):
+    """`batchrun run ARGS --quiet`, asserting its exit code."""
+    result = CliRunner().invoke(cli, ["run", *map(str, args), "--quiet"])
+    assert result.exit_code == code, result.output
+    return result
