@@ -168,7 +168,13 @@ def build_tokenizer(out: Path, vocab_size: int = 2048, seed: int = 0) -> int:
     tok.train_from_iterator(corpus(seed), trainer=trainer)
     tok.add_tokens(MARKUP_TOKENS)
     tok.save(str(out / "tokenizer.json"))
-    config = {
+    _write_json(out / "tokenizer_config.json", tokenizer_config(CHAT_TEMPLATE))
+    return tok.get_vocab_size()
+
+
+def tokenizer_config(chat_template: str) -> dict:
+    """tokenizer_config.json of the demo tokenizers (ChatML markers, no BOS)."""
+    return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
         "eos_token": "<|im_end|>",
@@ -177,10 +183,8 @@ def build_tokenizer(out: Path, vocab_size: int = 2048, seed: int = 0) -> int:
         "add_bos_token": False,
         "model_max_length": CONTEXT_LENGTH,
         "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
     }
-    _write_json(out / "tokenizer_config.json", config)
-    return tok.get_vocab_size()
 
 
 def build(out: str | Path, shape: str = "demo", seed: int = 0) -> Path:

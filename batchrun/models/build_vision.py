@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from batchrun.models.build import CONTEXT_LENGTH, _write_json, build_tokenizer
+from batchrun.models.build import CONTEXT_LENGTH, _write_json, build_tokenizer, tokenizer_config
 
 # Qwen2-VL's image and video markers; one <|image_pad|> in a prompt becomes one token per merged
 # 2x2 block of 14 px patches.
@@ -75,18 +75,7 @@ def build_vision_tokenizer(out: Path) -> tuple[dict[str, int], int]:
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t in VISION_TOKENS])
     tok.save(str(out / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "add_bos_token": False,
-        "model_max_length": CONTEXT_LENGTH,
-        "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
-    }
-    _write_json(out / "tokenizer_config.json", config)
+    _write_json(out / "tokenizer_config.json", tokenizer_config(CHAT_TEMPLATE))
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE + "\n")
     added = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
     return {t["content"]: t["id"] for t in added if t["special"]}, tok.get_vocab_size()
