@@ -163,8 +163,7 @@ class _Row:
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     processor: GrammarProcessor | None = None
-    detokenizer: Any = None
-    stop_scan_from: int = 0
+    stop_scan_from: int = 0  # text offset before which no stop string can start
     uid: int | None = None
     admitted_at: float = 0.0
     ttft: float | None = None
@@ -347,9 +346,6 @@ class VisionEngine(StepLoop):
             if not row.params.greedy:
                 seed = row.params.seed if row.params.seed is not None else row.id
                 processors.append(GumbelSampler(row.params, seed))
-            if row.params.stop:
-                row.detokenizer = self.tokenizer.detokenizer if hasattr(
-                    self.tokenizer, "detokenizer") else None
             (uid,) = self._gen.insert([row.inputs.input_ids], max_tokens=[row.max_tokens],
                                       prompt_kwargs=[kwargs], logits_processors=[processors])
             row.uid, row.admitted_at = uid, time.perf_counter()

@@ -136,13 +136,16 @@ class SliceWorker(RowWork):
         self._sink = _RoutingSink()
         self._ttfts_sent = 0
         self._report_lock = threading.Lock()
+        self._failure: BaseException | None = None  # what stopped the engine thread
         threading.Thread(target=self._drive, name="batchrun-engine", daemon=True).start()
 
     def run_slice(self, rows: list[RawRow]) -> dict:
         """Every row of the slice to a record, with the engine's figures so far."""
         job = _SliceJob(rows)
         self._inbox.put(job)
-        job.done.wait()
+        while not job.done.wait(1.0):
+            if self._failure is not None:  # the engine thread is gone: never wait for it
+                raise self._failure
         if job.error is not None:
             raise job.error
         with self._report_lock:  # each TTFT is reported once, by whichever call comes first
@@ -170,6 +173,7 @@ class SliceWorker(RowWork):
                 for out in self.engine.step():
                     self._finish(out, self._sink, bar)
             except BaseException as e:  # fail every waiting call: the driver sees the error
+                self._failure = e
                 for waiting in set(self._sink.owner.values()):
                     waiting.error = e
                     waiting.done.set()

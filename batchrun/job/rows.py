@@ -181,8 +181,8 @@ def _prompt_ids(body: dict, openai: str | None, prompts: PromptBuilder, options:
         if not prompt:
             raise RowRejected("invalid_prompt", "prompt is empty")
         if column_image is not None:
-            return _with_images([{"role": "user", "content": prompt}], body, openai, prompts,
-                                options, column_image)
+            return _with_images([{"role": "user", "content": prompt}], [], body, prompts,
+                                options, column_image, openai)
         return prompts.encode(prompt), None
     if "messages" in body:
         messages = body["messages"]
@@ -196,40 +196,45 @@ def _prompt_ids(body: dict, openai: str | None, prompts: PromptBuilder, options:
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise RowRejected("invalid_field", "chat_template_kwargs must be an object")
-    if column_image is not None or _has_images(messages, openai):
-        return _with_images(messages, body, openai, prompts, options, column_image)
+    refs = _image_refs(messages, openai)
+    if column_image is not None or refs:
+        return _with_images(messages, refs, body, prompts, options, column_image, openai)
     return prompts.encode_chat(messages, tools=body.get("tools"), chat_template_kwargs=kwargs), \
         None
 
 
-def _has_images(messages: Any, openai: str | None) -> bool:
+def _image_refs(messages: Any, openai: str | None) -> list[tuple[str, object]]:
+    """(field, reference) of every image in the messages, in order."""
     from batchrun.io.media import MediaError, image_parts
 
     try:
-        return bool(image_parts(messages, "body.messages" if openai else "messages"))
+        return image_parts(messages, _messages_field(openai))
     except MediaError as e:
         raise RowRejected(e.code, str(e)) from None
 
 
-def _with_images(messages: list, body: dict, openai: str | None, prompts: Any,
-                 options: RowOptions, column_image: Any) -> tuple[list[int], Any]:
-    """Load the row's images (the image column's first, then those in the messages, in order)
-    and run the vision model's processor on them."""
-    from batchrun.io.media import MediaError, check_image_count, image_parts
+def _messages_field(openai: str | None) -> str:
+    return "body.messages" if openai else "messages"
+
+
+def _with_images(messages: list, refs: list[tuple[str, object]], body: dict, prompts: Any,
+                 options: RowOptions, column_image: Any,
+                 openai: str | None) -> tuple[list[int], Any]:
+    """Load the row's images (the image column's first, then `refs`: those in the messages, in
+    order) and run the vision model's processor on them."""
+    from batchrun.io.media import MediaError, check_image_count
 
     if not hasattr(prompts, "prepare") or options.images is None:
         raise RowRejected("vision_model_required",
                           "this row has images but the model is a text model: pass --model "
                           "with a vision-language model (or --vision to force the vision path)")
-    prefix = "body.messages" if openai else "messages"
     try:
-        refs = image_parts(messages, prefix)
         images = [options.images.load(ref, options.base_dir, where) for where, ref in refs]
         if column_image is not None:
             images.insert(0, options.images.load(column_image, options.base_dir,
                                                  options.image_column))
             messages = _prepend_image(messages)
-        check_image_count(len(images), prompts.max_images, prefix)
+        check_image_count(len(images), prompts.max_images, _messages_field(openai))
     except MediaError as e:
         raise RowRejected(e.code, str(e)) from None
     kwargs = body.get("chat_template_kwargs")
