@@ -111,7 +111,6 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
     from batchrun.job.runner import (
         Interrupted,
         JobError,
-        JobRunner,
         JobSpec,
         default_job_dir,
     )
@@ -146,35 +145,14 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
     output = opts["output"] or job_dir / "results.jsonl"
     spec = JobSpec(input_path, job_dir, output, opts["model"],
                    RowOptions(defaults, opts["system"], opts["prompt_template"],
-                              opts["id_column"], opts["n"]),
+                              opts["id_column"], opts["n"],
+                              image_column=opts["image_column"]),
                    restart=opts["restart"], quiet=opts["quiet"])
-
-    spec.rows.image_column = opts["image_column"]
     if opts["ray_address"]:
         runner = _ray_runner(spec, opts, config)
-        engine = runner.engine
     else:
-        engine = _load_engine(opts["model"], config, debug, opts["vision"])
-        runner = None
-    if runner is None and hasattr(engine.prompts, "prepare"):  # a vision model: image rows
-        from batchrun.io.media import ImageCache
-
-        spec.rows.images = ImageCache()
-    elif runner is None and opts["image_column"]:
-        raise click.UsageError("--image-column needs a vision model (pass --model with one, "
-                               "or --vision to force the vision path)")
-    if runner is None:
-        if constraint is not None:
-            from batchrun.engine.constrain import ConstraintError
-
-            try:
-                engine.check_constraint(constraint)
-            except ConstraintError as e:
-                raise click.UsageError(str(e)) from None
-        spec.rows.check_constraint = engine.check_constraint
-        click.echo(describe_runtime(engine, opts["model"]), err=True)
-        runner = JobRunner(engine, spec, opts["model"] or "demo", engine.model_path,
-                           _device_name())
+        runner = _local_runner(spec, opts, config, constraint, debug)
+    engine = runner.engine
     from batchrun.job import report as rp
 
     resume = f"batchrun run {' '.join(_quote(a) for a in sys.argv[2:])}".strip()
@@ -210,6 +188,30 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
         click.echo(f"prefix cache: {cache_stats['hit_tokens']:,} prompt tokens reused "
                    f"({cache_stats['hits']:,} hits, {cache_stats['misses']:,} misses, "
                    f"{cache_stats['disk_loaded_blocks']:,} blocks from disk)", err=True)
+
+
+def _local_runner(spec, opts: dict, config: EngineConfig, constraint, debug: bool):
+    """The job runner with the model loaded here (a text or a vision engine)."""
+    from batchrun.job.runner import JobRunner
+
+    engine = _load_engine(opts["model"], config, debug, opts["vision"])
+    if hasattr(engine.prompts, "prepare"):  # a vision model: rows may carry images
+        from batchrun.io.media import ImageCache
+
+        spec.rows.images = ImageCache()
+    elif opts["image_column"]:
+        raise click.UsageError("--image-column needs a vision model (pass --model with one, "
+                               "or --vision to force the vision path)")
+    if constraint is not None:
+        from batchrun.engine.constrain import ConstraintError
+
+        try:
+            engine.check_constraint(constraint)
+        except ConstraintError as e:
+            raise click.UsageError(str(e)) from None
+    spec.rows.check_constraint = engine.check_constraint
+    click.echo(describe_runtime(engine, opts["model"]), err=True)
+    return JobRunner(engine, spec, opts["model"] or "demo", engine.model_path, _device_name())
 
 
 def _ray_runner(spec, opts: dict, config: EngineConfig):
