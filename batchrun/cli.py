@@ -28,8 +28,17 @@ JOB_FILE_KEYS = ("input", "model", "output", "job_dir", "max_concurrency", "max_
 JOB_FILE_PATHS = ("input", "output", "job_dir", "cache_dir", "json_schema")
 
 
-def _fail(message: str, hint: str | None = None) -> click.ClickException:
-    return click.ClickException(message + (f"\n  hint: {hint}" if hint else ""))
+def _fail(message: str, hint: str | None = None, code: int = 1) -> click.ClickException:
+    error = click.ClickException(message + (f"\n  hint: {hint}" if hint else ""))
+    error.exit_code = code
+    return error
+
+
+def resume_command(args: list[str]) -> str:
+    """The command that resumes this job: the same arguments, never --restart (following a
+    printed hint must not discard progress)."""
+    kept = [a for a in args if a != "--restart"]
+    return f"batchrun run {' '.join(_quote(a) for a in kept)}".strip()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -112,6 +121,7 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
         Interrupted,
         JobError,
         JobSpec,
+        check_paths,
         default_job_dir,
     )
 
@@ -143,11 +153,17 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
     job_dir = opts["job_dir"] or (job_file.parent / job_file.stem if job_file
                                   else default_job_dir(input_path))
     output = opts["output"] or job_dir / "results.jsonl"
+    if job_file and opts.pop("_output_follows_job_dir", False):
+        click.echo(f"output: {output} (the job file's output, moved with --job-dir)", err=True)
     spec = JobSpec(input_path, job_dir, output, opts["model"],
                    RowOptions(defaults, opts["system"], opts["prompt_template"],
                               opts["id_column"], opts["n"],
                               image_column=opts["image_column"]),
                    restart=opts["restart"], quiet=opts["quiet"])
+    try:
+        check_paths(spec)  # before the model loads
+    except JobError as e:
+        raise _fail(str(e), code=e.exit_code) from None
     if opts["ray_address"]:
         runner = _ray_runner(spec, opts, config)
     else:
@@ -155,7 +171,7 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
     engine = runner.engine
     from batchrun.job import report as rp
 
-    resume = f"batchrun run {' '.join(_quote(a) for a in sys.argv[2:])}".strip()
+    resume = resume_command(sys.argv[2:])
     try:
         report = runner.run()
     except Interrupted:
@@ -164,7 +180,7 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
                    err=True)
         ctx.exit(130)
     except JobError as e:
-        raise _fail(str(e)) from None
+        raise _fail(str(e), code=e.exit_code) from None
     except OSError as e:
         if debug:
             raise
@@ -282,9 +298,17 @@ def _merge_job_file(ctx: click.Context, path: Path, opts: dict) -> dict:
     if "input" not in data:
         raise click.UsageError(f"{path}: the job file needs an 'input' key")
     merged = dict(opts)
+    given = {key for key in data if key != "input"
+             and ctx.get_parameter_source(key) is ParameterSource.COMMANDLINE}
     for key, value in data.items():
-        if key != "input" and ctx.get_parameter_source(key) is ParameterSource.COMMANDLINE:
+        if key in given:
             continue  # the command line wins
+        if key == "output" and ctx.get_parameter_source("job_dir") is ParameterSource.COMMANDLINE:
+            # The job's state moves to another folder: so does its output, or two jobs would
+            # write one file.
+            merged["output"] = Path(opts["job_dir"]) / Path(value).name
+            merged["_output_follows_job_dir"] = True
+            continue
         if key in JOB_FILE_PATHS:
             value = path.parent / value
         elif key == "model" and (path.parent / value).exists():

@@ -76,12 +76,13 @@ def test_rerun_resumes_and_a_finished_job_is_not_recomputed(rows_file, tmp_path)
 def test_changed_input_or_options_are_refused_unless_restart(rows_file, tmp_path):
     job = tmp_path / "job"
     run(rows_file, "--job-dir", job)
-    refused = run(rows_file, "--job-dir", job, "--max-tokens", "9", code=1)
+    refused = run(rows_file, "--job-dir", job, "--max-tokens", "9", code=2)
     assert "different job" in refused.output and "max_tokens" in refused.output
-    assert "--restart" in refused.output
+    assert "--restart" not in refused.output  # a printed hint never discards progress
+    assert "another --job-dir" in refused.output
     with open(rows_file, "a") as f:
         f.write('{"prompt": "one more"}\n')
-    refused = run(rows_file, "--job-dir", job, code=1)
+    refused = run(rows_file, "--job-dir", job, code=2)
     assert "the input changed" in refused.output
     run(rows_file, "--job-dir", job, "--restart")
     assert len(jsonl(job / "results.jsonl")) == 31

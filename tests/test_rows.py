@@ -5,7 +5,7 @@ import pytest
 from batchrun.engine.prompt import PromptBuilder
 from batchrun.engine.request import FinishReason, Output, SamplingParams
 from batchrun.io.jsonl import read_jsonl
-from batchrun.io.results import OrderedSink
+from batchrun.job.sink import OrderedSink, Record
 from batchrun.job.rows import RowError, RowOptions, Task, build_task
 from batchrun.job.state import Progress
 
@@ -96,23 +96,30 @@ def test_jsonl_reader_numbers_lines_and_skips_blank_ones(tmp_path):
     assert "UTF-8" in rows[3].error
 
 
-def test_ordered_sink_holds_out_of_order_records_until_the_gap_fills(tmp_path):
-    results, errors = tmp_path / "r.jsonl", tmp_path / "e.jsonl"
-    sink = OrderedSink(results, errors, Progress())
+def test_ordered_sink_spills_out_of_order_records_and_writes_them_when_the_gap_fills(tmp_path):
+    results, errors, spill = tmp_path / "r.jsonl", tmp_path / "e.jsonl", tmp_path / "s.jsonl"
+    sink = OrderedSink(results, errors, spill, Progress())
     out = Output(0, "x", [1, 2], FinishReason.LENGTH, prompt_tokens=5)
     sink.put(2, b"c\n", False, [out])
     sink.put(1, b"b\n", False, [out])
-    sink.sync()
+    progress = sink.sync()
     assert results.read_bytes() == b"" and sink.held == 2
+    # Held rows are already durable, in the spill, and counted.
+    assert [Record.from_spill(x).line for x in spill.read_bytes().splitlines(True)] == \
+        [b"c\n", b"b\n"]
+    assert progress.rows_done == 2 and progress.spill_bytes == spill.stat().st_size
     sink.put(0, b"a-error\n", True)
     progress = sink.sync()
     assert results.read_bytes() == b"b\nc\n" and errors.read_bytes() == b"a-error\n"
-    assert sink.held == 0
+    assert sink.held == 0 and sink.spill_drained
     assert (progress.next_index, progress.rows_done, progress.rows_failed) == (3, 2, 1)
     assert progress.results_bytes == 4 and progress.errors_bytes == 8
     assert progress.completion_tokens == 4 and progress.prompt_tokens == 10
     with pytest.raises(RuntimeError, match="twice"):
         sink.put(1, b"again\n", False, [out])
+    sink.put(3, b"d\n", False, [out])  # next in order: written directly, never spilled
+    sink.empty_spill()
+    assert sink.sync().spill_bytes == 0 and spill.read_bytes() == b""
     sink.close()
 
 

@@ -2,11 +2,15 @@
 
 Every non-blank line becomes exactly one RawRow: a parsed value, or the reason it could not be
 parsed. Blank lines are skipped but still counted, so `line` is the 1-based line in the file.
+A file that cannot be read to its end (a truncated or corrupt .gz, an I/O error) raises
+InputError, whose message names the file and the problem.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +27,10 @@ class RawRow:
     error: str | None = None
 
 
+class InputError(Exception):
+    """The input file as a whole cannot be read; str() names the file and the problem."""
+
+
 def open_binary(path: str | Path):
     path = Path(path)
     if path.name.endswith(".gz"):
@@ -30,8 +38,33 @@ def open_binary(path: str | Path):
     return open(path, "rb")
 
 
+@contextlib.contextmanager
+def _reading(path: Path):
+    """Turn a damaged file's read errors into one InputError naming it."""
+    try:
+        yield
+    except EOFError:
+        raise InputError(f"{path} is damaged: the compressed data ends early (truncated?)") \
+            from None
+    except (gzip.BadGzipFile, zlib.error) as e:
+        raise InputError(f"{path} is damaged: not valid gzip data ({e})") from None
+    except OSError as e:
+        raise InputError(f"{path} cannot be read: {e.strerror or e}") from None
+
+
+def count_jsonl(path: str | Path) -> int:
+    """Non-blank lines: the rows of the file."""
+    with _reading(Path(path)), open_binary(path) as f:
+        return sum(1 for line in f if line.strip())
+
+
 def read_jsonl(path: str | Path, start: int = 0) -> Iterator[RawRow]:
     """Rows from index `start` on; earlier rows are skipped without being parsed."""
+    with _reading(Path(path)):
+        yield from _rows(path, start)
+
+
+def _rows(path: str | Path, start: int) -> Iterator[RawRow]:
     index = 0
     with open_binary(path) as f:
         for line_no, raw in enumerate(f, start=1):

@@ -53,7 +53,19 @@ def differences(old: dict, new: dict) -> list[str]:
     return changed
 
 
+def well_formed(manifest: dict) -> bool:
+    """Whether a job.json has the fields a resume compares."""
+    try:
+        return (isinstance(manifest["input"]["sha256"], str)
+                and isinstance(manifest["model"]["fingerprint"], str)
+                and isinstance(manifest["options"], dict)
+                and isinstance(manifest["created"], int))
+    except (KeyError, TypeError):
+        return False
+
+
 def load_manifest(job_dir: Path) -> dict | None:
+    """job.json, or None; raises state.DamagedFile if it is not a JSON object."""
     return read_json(Path(job_dir) / "job.json")
 
 

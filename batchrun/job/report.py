@@ -4,6 +4,7 @@ report.html with plots of throughput and batch size over time."""
 from __future__ import annotations
 
 import html
+import logging
 import time
 from pathlib import Path
 
@@ -11,8 +12,9 @@ import orjson
 
 import batchrun
 from batchrun.engine.request import EngineStats
-from batchrun.job.state import Progress, read_json, write_atomic
+from batchrun.job.state import DamagedFile, Progress, read_json, write_atomic
 
+log = logging.getLogger("batchrun")
 MAX_TIMELINE_POINTS = 1500
 SUM_FIELDS = ("wall_s", "rows_done", "rows_failed", "prompt_tokens", "cached_prompt_tokens",
               "completion_tokens", "prefill_time_s", "decode_time_s", "decode_steps")
@@ -104,8 +106,20 @@ def _weighted(runs: list[dict], key: str, rows: int) -> float | None:
 
 
 def previous_runs(job_dir: Path) -> list[dict]:
-    report = read_json(Path(job_dir) / "report.json")
-    return list(report.get("runs", [])) if report else []
+    """The earlier starts' figures; a damaged report.json (it is only a summary) is replaced."""
+    try:
+        report = read_json(Path(job_dir) / "report.json")
+    except DamagedFile as e:
+        log.warning("%s; the figures of earlier runs are lost (the results are not)", e)
+        return []
+    runs = report.get("runs") if report else None
+    return [r for r in runs if _well_formed(r)] if isinstance(runs, list) else []
+
+
+def _well_formed(run: object) -> bool:
+    return isinstance(run, dict) and all(
+        type(run.get(k)) in (int, float)
+        for k in (*SUM_FIELDS, "peak_memory_bytes", "max_concurrency", "mean_batch_size"))
 
 
 def write_report(job_dir: Path, report: dict, html_too: bool = True) -> None:

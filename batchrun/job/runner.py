@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import signal
 import threading
 import time
@@ -24,16 +25,19 @@ from tqdm import tqdm
 
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import FinishReason, Output
-from batchrun.io.jsonl import RawRow, open_binary, read_jsonl
+from batchrun.io.jsonl import InputError, RawRow, count_jsonl, read_jsonl
 from batchrun.io.parquet import count_parquet, read_parquet, write_parquet_output
-from batchrun.io.results import OrderedSink
 from batchrun.job import manifest as mf
+from batchrun.job import ownership
 from batchrun.job import report as rp
 from batchrun.job.feeder import Feeder
 from batchrun.job.records import error_record, result_record
-from batchrun.job.rows import RowError, RowOptions, Task, build_task, explicit_id
-from batchrun.job.state import JobLock, JobState, Progress
+from batchrun.job.recovery import recover
+from batchrun.job.rows import RowError, RowOptions, Task, build_task, explicit_id, row_id
+from batchrun.job.sink import OrderedSink, Record
+from batchrun.job.state import DamagedFile, JobLock, JobState, Progress
 
+log = logging.getLogger("batchrun")
 COMMIT_INTERVAL_S = 1.0
 FILL_LINGER_S = 0.05  # an idle engine waits this long for more rows to admit together
 PROGRESS_INTERVAL_S = 0.5
@@ -42,6 +46,14 @@ DONE_CACHE_SIZE = 4096  # recent outputs kept for identical rows further down th
 
 class JobError(Exception):
     """A fatal problem with the job as a whole (exit 1); the message says what to do."""
+
+    exit_code = 1
+
+
+class JobConflict(JobError):
+    """The command asks for something that would mix or overwrite jobs' data (exit 2)."""
+
+    exit_code = 2
 
 
 class Interrupted(Exception):
@@ -81,6 +93,28 @@ class JobSpec:
         return orjson.loads(orjson.dumps(options))  # as job.json stores it (tuples are lists)
 
 
+def saved_manifest(job_dir: Path) -> dict | None:
+    """The job folder's job.json, or None for a new job; JobError if it is damaged."""
+    fix = f"move the job folder {job_dir} away to start over, or pass another --job-dir"
+    try:
+        manifest = mf.load_manifest(job_dir)
+    except DamagedFile as e:
+        raise JobError(f"{e}: {fix}") from None
+    if manifest is not None and not mf.well_formed(manifest):
+        raise JobError(f"{Path(job_dir) / 'job.json'} is damaged (fields are missing): {fix}")
+    return manifest
+
+
+def check_paths(spec: JobSpec) -> None:
+    """Refuse, before any work, an output this job may not write (job/ownership.py)."""
+    manifest = saved_manifest(spec.job_dir)
+    owned = manifest is not None and manifest.get("output") == str(spec.output.resolve())
+    try:
+        ownership.check(spec.output, spec.input, spec.job_dir, owned)
+    except ownership.OutputConflict as e:
+        raise JobConflict(str(e)) from None
+
+
 def default_job_dir(input_path: Path) -> Path:
     return Path("jobs") / input_stem(input_path)
 
@@ -98,10 +132,8 @@ def is_parquet(path: Path) -> bool:
 
 
 def count_rows(path: Path) -> int:
-    if is_parquet(path):
-        return count_parquet(path)
-    with open_binary(path) as f:
-        return sum(1 for line in f if line.strip())
+    """Rows in the input; raises InputError if it is damaged (truncated, not the format)."""
+    return count_parquet(path) if is_parquet(path) else count_jsonl(path)
 
 
 def read_rows(path: Path, start: int) -> Iterator[RawRow]:
@@ -213,38 +245,56 @@ class JobRunner(RowWork):
         self._init_work()
         self._interrupted = False
         self._seen_ids: dict[bytes, int] = {}  # hash of an explicit row id -> its first line
+        self._spilled: dict[int, Record] = {}  # rows finished past the frontier, from the spill
 
     # -- set-up ---------------------------------------------------------------------------------
 
+    def check_paths(self) -> None:
+        check_paths(self.spec)
+
     def prepare(self) -> Progress:
-        """Lock the job folder, check that it is the same job, and load its progress."""
+        """Lock the job folder, check that it is the same job and owns its output, and
+        recover its progress from the files."""
         spec = self.spec
         spec.job_dir.mkdir(parents=True, exist_ok=True)
         if not self.lock.acquire():
             raise JobError(f"job folder {spec.job_dir} is in use by another batchrun process "
                            f"(pid {self.lock.holder()}); wait for it or use another --job-dir")
-        self.rows_total = count_rows(spec.input)
+        try:
+            self.rows_total = count_rows(spec.input)
+        except InputError as e:
+            raise JobError(str(e)) from None
         if self.rows_total == 0:
             raise JobError(f"{spec.input} has no rows")
+        self.check_paths()
         new = mf.new_manifest(mf.input_fingerprint(spec.input), self.model_name,
                               self.model_path, self.engine.model_fingerprint,
-                              spec.options(), spec.output)
-        old = mf.load_manifest(spec.job_dir)
+                              spec.options(), spec.output.resolve())
+        old = saved_manifest(spec.job_dir)
         if old is not None and not spec.restart:
             changed = mf.differences(old, new)
             if changed:
-                raise JobError(
+                raise JobConflict(
                     f"{spec.job_dir} holds a different job: " + "; ".join(changed)
-                    + ".\n  Re-run with --restart to discard its progress, or pass another "
-                    "--job-dir to keep both.")
+                    + f".\n  Pass another --job-dir to keep both, or move {spec.job_dir} "
+                    "away to discard its progress.")
             new["created"] = old["created"]
+        try:
+            ownership.claim(spec.output, spec.job_dir)
+        except ownership.OutputConflict as e:
+            raise JobConflict(str(e)) from None
         if spec.restart or old is None:
             self.state.reset()
             for name in ("report.json", "report.html"):
                 (spec.job_dir / name).unlink(missing_ok=True)
         self.manifest = new
         mf.save_manifest(spec.job_dir, new)
-        return self.state.load()
+        recovery = recover(self.state, read_rows(spec.input, 0), self._expected_id,
+                           self._remember_id)
+        for problem in recovery.problems:
+            log.warning("%s: %s; resuming from what the files hold", spec.job_dir, problem)
+        self._spilled = recovery.spilled
+        return recovery.progress
 
     # -- the loop -------------------------------------------------------------------------------
 
@@ -253,6 +303,8 @@ class JobRunner(RowWork):
         try:
             progress = self.prepare()
             return self._run(progress)
+        except InputError as e:  # the input turned out damaged part-way: progress is kept
+            raise JobError(str(e)) from None
         finally:
             self.lock.release()
 
@@ -263,10 +315,10 @@ class JobRunner(RowWork):
         runs = [] if spec.restart else rp.previous_runs(spec.job_dir)
         self._start_progress = dataclasses.replace(progress)
         status = "completed"
-        sink = OrderedSink(spec.results_path, spec.errors_path, progress)
-        self._remember_ids(progress.next_index)
-        bar = tqdm(total=self.rows_total, initial=progress.next_index, unit="row",
-                   disable=spec.quiet, dynamic_ncols=True, smoothing=0.1)
+        sink = OrderedSink(spec.results_path, spec.errors_path, self.state.spill_path, progress,
+                           self._spilled)
+        bar = tqdm(total=self.rows_total, initial=progress.rows_done + progress.rows_failed,
+                   unit="row", disable=spec.quiet, dynamic_ncols=True, smoothing=0.1)
         last = {"commit": time.perf_counter(), "bar": time.perf_counter()}
 
         def tick() -> None:
@@ -305,7 +357,7 @@ class JobRunner(RowWork):
         """Feed rows to the engine and write what it finishes until every row is done."""
         engine = self.engine
         target = engine.max_concurrency + engine.config.prefill_batch_size
-        feeder = Feeder(read_rows(self.spec.input, progress.next_index), self._build,
+        feeder = Feeder(self.pending_rows(progress.next_index), self._build,
                         lookahead=2 * target)
         try:
             while not self._interrupted:
@@ -355,20 +407,31 @@ class JobRunner(RowWork):
                         f"custom_id {custom_id!r} is already used by the row on line {first}: "
                         "give every row its own id")
 
-    def _remember_ids(self, upto: int) -> None:
-        """On resume: the ids of rows already done, so later duplicates are still caught."""
-        if upto == 0:
-            return
-        for raw in read_rows(self.spec.input, 0):
-            if raw.index >= upto:
-                break
-            if raw.error is None:
-                self._check_id(raw)
+    def pending_rows(self, start: int) -> Iterator[RawRow]:
+        """The input rows from `start` on that have no record yet (spilled rows are done)."""
+        for raw in read_rows(self.spec.input, start):
+            if raw.index not in self._spilled:
+                yield raw
+
+    def _expected_id(self, raw: RawRow) -> str:
+        """The custom_id the row's record carries."""
+        return row_id(raw.value if raw.error is None else None, raw.index,
+                      self.spec.rows.id_column)
+
+    def _remember_id(self, raw: RawRow) -> None:
+        """A row that already has its record: later rows must still not reuse its id."""
+        if raw.error is None:
+            self._check_id(raw)
 
     def _commit(self, sink: OrderedSink, runs: list[dict], started: float, wall: float,
                 status: str) -> None:
         progress = sink.sync()
+        drained = sink.spill_drained
+        if drained:  # every spilled row is in the ordered files: commit an empty spill
+            progress.spill_bytes = 0
         self.state.commit(progress)
+        if drained:
+            sink.empty_spill()
         self.engine.sample_timeline(force=status != "running")
         start = self._start_progress
         run = rp.run_entry(started, status, self.engine.stats,

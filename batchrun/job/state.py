@@ -1,16 +1,18 @@
 """The job folder's durable state: which rows are done, committed so that a crash loses nothing.
 
-Results and errors are appended to their files in input order. After the data is fsynced,
-`commit()` atomically replaces `state.json` with the row frontier and both files' byte sizes.
-On start the files are truncated back to the committed sizes, so a torn tail or rows written
-after the last commit disappear and are recomputed: every row appears exactly once, whenever the
-process was killed.
+Results and errors are appended to their files in input order, and rows that finish ahead of
+that order to the spill (job/sink.py). After the data is fsynced, `commit()` atomically replaces
+`state.json` with the row frontier, the three files' byte sizes and the counts. On start,
+job/recovery.py checks state.json against the files (never trusting it alone) and cuts the files
+back to what was committed, so a torn tail or rows written after the last commit disappear and
+are recomputed: every row appears exactly once, whenever the process was killed.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -19,19 +21,45 @@ import orjson
 from batchrun.io.files import write_atomic  # noqa: F401  (re-exported)
 
 
+class DamagedFile(Exception):
+    """A job file that exists but cannot be read as what it should be; str() says which."""
+
+
 def read_json(path: Path) -> dict | None:
+    """A job folder's JSON object file; None if absent. Raises DamagedFile if it is not a
+    readable JSON object (truncated, garbage, a folder, a FIFO...)."""
+    path = Path(path)
     try:
-        return orjson.loads(Path(path).read_bytes())
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
+    except OSError as e:
+        raise DamagedFile(f"{path} cannot be read ({e.strerror or e})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise DamagedFile(f"{path} is not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read()
+    except OSError as e:
+        raise DamagedFile(f"{path} cannot be read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        raise DamagedFile(f"{path} is damaged (not valid JSON)") from None
+    if not isinstance(value, dict):
+        raise DamagedFile(f"{path} is damaged (not a JSON object)")
+    return value
 
 
 @dataclass(slots=True)
 class Progress:
-    next_index: int = 0  # every row before this one has its result or error committed
+    next_index: int = 0  # every row before this one is in the ordered results or errors file
     results_bytes: int = 0
     errors_bytes: int = 0
-    rows_done: int = 0
+    spill_bytes: int = 0  # rows finished ahead of the frontier (job/sink.py)
+    rows_done: int = 0  # counts and tokens: every durable row, in order or spilled
     rows_failed: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -71,22 +99,30 @@ class JobLock:
 
 
 class JobState:
+    """state.json and the files it describes; job/recovery.py loads them."""
+
     def __init__(self, job_dir: Path, results: Path, errors: Path):
         self.state_path = Path(job_dir) / "state.json"
         self.results_path = Path(results)
         self.errors_path = Path(errors)
+        self.spill_path = Path(job_dir) / "spill.jsonl"
         self.progress = Progress()
 
-    def load(self) -> Progress:
-        """Read the committed progress and cut both files back to it."""
+    def saved(self) -> Progress | None:
+        """The committed progress as state.json says it; raises DamagedFile if unreadable."""
         saved = read_json(self.state_path)
-        self.progress = Progress(**saved) if saved else Progress()
-        _truncate(self.results_path, self.progress.results_bytes)
-        _truncate(self.errors_path, self.progress.errors_bytes)
-        return self.progress
+        if saved is None:
+            return None
+        try:
+            progress = Progress(**saved)
+        except TypeError:
+            raise DamagedFile(f"{self.state_path} is damaged (unknown fields)") from None
+        if not all(type(v) is int and v >= 0 for v in asdict(progress).values()):
+            raise DamagedFile(f"{self.state_path} is damaged (a count is not a whole number)")
+        return progress
 
     def reset(self) -> None:
-        for path in (self.state_path, self.results_path, self.errors_path):
+        for path in (self.state_path, self.results_path, self.errors_path, self.spill_path):
             path.unlink(missing_ok=True)
         self.progress = Progress()
 
@@ -94,21 +130,3 @@ class JobState:
         """Record progress whose data is already flushed and fsynced."""
         write_atomic(self.state_path, orjson.dumps(asdict(progress)))
         self.progress = progress
-
-
-def _truncate(path: Path, size: int) -> None:
-    if not path.exists():
-        if size:
-            raise RuntimeError(f"{path} is missing but state.json says {size} bytes were "
-                               "committed: restore it or start over with --restart")
-        path.touch()
-        return
-    actual = path.stat().st_size
-    if actual < size:
-        raise RuntimeError(f"{path} is shorter ({actual} bytes) than its committed size "
-                           f"({size}): restore it or start over with --restart")
-    if actual > size:
-        with open(path, "r+b") as f:
-            f.truncate(size)
-            f.flush()
-            os.fsync(f.fileno())

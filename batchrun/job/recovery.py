@@ -1,0 +1,236 @@
+"""Resume from the files, checking state.json against them rather than trusting it.
+
+The ordered results and errors files, read together with the input, must hold one record per
+row from row 0 up to a frontier, each naming its own row (its index where the record has one,
+and its id). The spill must hold records of rows past that frontier, each naming its row.
+state.json's byte sizes cut off whatever was written after the last commit (a torn tail, rows
+not yet committed). Where state.json and the files disagree (a file cut short or edited, a
+hand-edited or damaged state.json), the progress is rebuilt from what the files prove: a row
+with no valid record is computed again, so no row is ever skipped, and none is written twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+
+from batchrun.io.jsonl import RawRow
+from batchrun.job.sink import Record
+from batchrun.job.state import DamagedFile, JobState, Progress
+
+
+@dataclass(slots=True)
+class Recovery:
+    progress: Progress
+    spilled: dict[int, Record] = field(default_factory=dict)  # finished rows past the frontier
+    problems: list[str] = field(default_factory=list)  # how the files disagreed with state.json
+
+
+def recover(state: JobState, rows: Iterator[RawRow], expected_id: Callable[[RawRow], str],
+            on_done: Callable[[RawRow], None]) -> Recovery:
+    """Check the job folder's files against state.json and the input, cut them back to what is
+    proven, and return the progress to resume from. `on_done` sees every input row that already
+    has a record (so later rows can still be checked for duplicate ids)."""
+    problems: list[str] = []
+    try:
+        saved = state.saved()
+    except DamagedFile as e:
+        saved = None
+        problems.append(str(e))
+    committed = dataclasses.asdict(saved) if saved else {}
+    paths = {"results_bytes": state.results_path, "errors_bytes": state.errors_path,
+             "spill_bytes": state.spill_path}
+    limits = {}
+    for key, path in paths.items():
+        size = _size(path)
+        want = committed.get(key, size)
+        if size < want:
+            problems.append(f"{path.name} is shorter ({size:,} bytes) than committed "
+                            f"({want:,} bytes)")
+        limits[key] = min(size, want)
+
+    results = _Lines(state.results_path, limits["results_bytes"])
+    errors = _Lines(state.errors_path, limits["errors_bytes"])
+    spill = _read_spill(state.spill_path, limits["spill_bytes"], problems)
+    spill_order = list(spill)
+    last_spilled = max(spill, default=-1)
+    progress = Progress()
+    kept: dict[int, Record] = {}
+    in_order = True
+    for raw in rows:
+        if not in_order and raw.index > last_spilled:
+            break
+        want_id = expected_id(raw)
+        if in_order:
+            record = _next_in_order(raw.index, want_id, results, errors)
+            if record is not None:
+                _count(progress, record)
+                progress.next_index += 1
+                on_done(raw)
+                continue
+            in_order = False
+        found = spill.pop(raw.index, None)
+        if found is not None and _names_row(found.line, raw.index, want_id):
+            kept[raw.index] = found
+            _count(progress, found)
+            on_done(raw)
+    if results.rest or errors.rest:
+        problems.append(f"records past row {progress.next_index} in the ordered files do not "
+                        "follow on from it")
+    if spill:
+        problems.append(f"{len(spill):,} spilled records do not belong to a pending row")
+    progress.results_bytes = results.used
+    progress.errors_bytes = errors.used
+    _cut(state.results_path, results.used)
+    _cut(state.errors_path, errors.used)
+    progress.spill_bytes = _rewrite_spill(state.spill_path, [kept[i] for i in spill_order
+                                                             if i in kept], limits["spill_bytes"])
+    if saved is not None and dataclasses.asdict(saved) != dataclasses.asdict(progress):
+        problems.append(_difference(saved, progress))
+    state.progress = progress
+    return Recovery(progress, kept, problems)
+
+
+class _Lines:
+    """The lines of the first `limit` bytes of a file, one at a time."""
+
+    def __init__(self, path: Path, limit: int):
+        self._f = open(path, "rb") if limit else None  # noqa: SIM115
+        self._left = limit
+        self.used = 0  # bytes of the lines taken
+        self._peeked: bytes | None = None
+
+    def peek(self) -> bytes | None:
+        if self._peeked is None and self._f is not None and self._left > 0:
+            line = self._f.readline(self._left)
+            self._left -= len(line)
+            self._peeked = line if line.endswith(b"\n") else None
+            if self._peeked is None:
+                self._close()
+        return self._peeked
+
+    def take(self) -> None:
+        self.used += len(self._peeked)
+        self._peeked = None
+
+    @property
+    def rest(self) -> bool:
+        """Whether lines are left that were not taken."""
+        left = self.peek() is not None
+        self._close()
+        return left
+
+    def _close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def _next_in_order(index: int, want_id: str, results: _Lines, errors: _Lines) -> Record | None:
+    """Row `index`'s record if it is next in the errors or results file."""
+    for lines, is_error in ((errors, True), (results, False)):
+        line = lines.peek()
+        if line is not None and _names_row(line, index, want_id, needs_index=is_error):
+            lines.take()
+            return Record(index, line, is_error, (0, 0, 0) if is_error else _tokens(line))
+    return None
+
+
+def _names_row(line: bytes, index: int, want_id: str, needs_index: bool = False) -> bool:
+    """A whole record of row `index`: valid JSON, its id, and its index where it has one
+    (OpenAI result lines have none; error records always do)."""
+    try:
+        d = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return False
+    if not isinstance(d, dict) or d.get("custom_id") != want_id:
+        return False
+    if "index" in d or needs_index:
+        return d.get("index") == index
+    return True
+
+
+def _tokens(line: bytes) -> tuple[int, int, int]:
+    """(prompt, cached, completion) tokens of a result line, native or OpenAI-shaped."""
+    d = orjson.loads(line)
+    if "response" in d:
+        usage = ((d.get("response") or {}).get("body") or {}).get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    else:
+        usage = d.get("usage") or {}
+        cached = usage.get("cached_tokens")
+    return tuple(v if type(v) is int else 0 for v in
+                 (usage.get("prompt_tokens"), cached, usage.get("completion_tokens")))
+
+
+def _count(progress: Progress, record: Record) -> None:
+    if record.is_error:
+        progress.rows_failed += 1
+        return
+    progress.rows_done += 1
+    progress.prompt_tokens += record.tokens[0]
+    progress.cached_tokens += record.tokens[1]
+    progress.completion_tokens += record.tokens[2]
+
+
+def _read_spill(path: Path, limit: int, problems: list[str]) -> dict[int, Record]:
+    """The spill's records by row (the first of each); stops at the first damaged line."""
+    out: dict[int, Record] = {}
+    if not limit:
+        return out
+    lines = _Lines(path, limit)
+    while (line := lines.peek()) is not None:
+        try:
+            record = Record.from_spill(line)
+        except ValueError:
+            problems.append(f"{path.name} is damaged after {lines.used:,} bytes")
+            break
+        lines.take()
+        out.setdefault(record.index, record)
+    lines.rest  # noqa: B018  (closes the file)
+    return out
+
+
+def _rewrite_spill(path: Path, kept: list[Record], limit: int) -> int:
+    """Leave the spill holding exactly `kept`, in its order (cut to `limit`, or rewritten if
+    that is not the same); returns its size."""
+    data = b"".join(r.spill_line() for r in kept)
+    if limit == len(data) and (not limit or _head(path, limit) == data):
+        _cut(path, limit)
+        return limit
+    from batchrun.io.files import write_atomic
+
+    write_atomic(path, data)
+    return len(data)
+
+
+def _head(path: Path, n: int) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(n)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _cut(path: Path, size: int) -> None:
+    """Truncate `path` to `size` bytes (creating it empty if absent), durably."""
+    with open(path, "ab") as f:
+        if f.tell() != size:
+            f.truncate(size)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _difference(saved: Progress, found: Progress) -> str:
+    a, b = dataclasses.asdict(saved), dataclasses.asdict(found)
+    changed = ", ".join(f"{k} {a[k]:,} -> {b[k]:,}" for k in a if a[k] != b[k])
+    return f"state.json disagreed with the files ({changed})"

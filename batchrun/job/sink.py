@@ -1,0 +1,131 @@
+"""Make every finished row durable at once, and write the output in input order.
+
+A finished row's record is appended to the spill (`spill.jsonl`) the moment it arrives,
+whatever rows before it are still running, and held in memory until the rows before it are
+done; then it is appended to the ordered results or errors file. `sync()` fsyncs all three, so
+after a commit (job/state.py) every row finished before it survives a crash: from the ordered
+files below the frontier, from the spill above it. A resumed job reads the spilled records back
+(`recovered`) instead of computing those rows again.
+
+The spill only ever holds rows that are also about to be, or already are, in the ordered files;
+once no row is held it can be emptied (`spill_drained`), so it stays as small as the rows a
+slow row holds back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from batchrun.job.state import Progress
+
+
+@dataclass(slots=True)
+class Record:
+    """One row's finished line, and the token counts the report adds up."""
+
+    index: int
+    line: bytes
+    is_error: bool
+    tokens: tuple[int, int, int] = (0, 0, 0)  # prompt, cached, completion
+
+    def spill_line(self) -> bytes:
+        return orjson.dumps({"index": self.index, "error": self.is_error,
+                             "tokens": list(self.tokens), "line": self.line.decode()}) + b"\n"
+
+    @classmethod
+    def from_spill(cls, raw: bytes) -> Record:
+        """Parse one spill line; raises ValueError if it is not one."""
+        d = orjson.loads(raw)
+        if not (isinstance(d, dict) and type(d.get("index")) is int and d["index"] >= 0
+                and isinstance(d.get("error"), bool) and isinstance(d.get("line"), str)
+                and isinstance(d.get("tokens"), list) and len(d["tokens"]) == 3
+                and all(type(t) is int and t >= 0 for t in d["tokens"])):
+            raise ValueError("not a spill record")
+        line = d["line"].encode()
+        if not line.endswith(b"\n") or b"\n" in line[:-1]:
+            raise ValueError("not one record line")
+        return cls(d["index"], line, d["error"], tuple(d["tokens"]))
+
+
+def tokens_of(outs) -> tuple[int, int, int]:
+    """A row's (prompt, cached, completion) tokens from its outputs (one per sample)."""
+    if not outs:
+        return (0, 0, 0)
+    return (outs[0].prompt_tokens, outs[0].cached_tokens, sum(o.completion_tokens for o in outs))
+
+
+class OrderedSink:
+    """Spills each finished row at once and writes records in input order; keeps the Progress
+    that describes exactly what it has written (counts include spilled rows)."""
+
+    def __init__(self, results: Path, errors: Path, spill: Path, progress: Progress,
+                 recovered: dict[int, Record] | None = None):
+        self.progress = dataclasses.replace(progress)
+        # Held open for the sink's life; close() closes them.
+        self._results = open(results, "ab")  # noqa: SIM115
+        self._errors = open(errors, "ab")  # noqa: SIM115
+        self._spill = open(spill, "ab")  # noqa: SIM115
+        self._held: dict[int, Record] = dict(recovered or {})
+        self._drain()
+
+    def put(self, index: int, line: bytes, is_error: bool, outs=()) -> None:
+        """Row `index` is finished: spill its line now, write it in order when it is next."""
+        if index < self.progress.next_index or index in self._held:
+            raise RuntimeError(f"row {index} would be written twice")
+        record = Record(index, line, is_error, tokens_of(outs))
+        p = self.progress
+        if record.index != p.next_index:  # rows before it still run: make it durable now
+            spilled = record.spill_line()
+            self._spill.write(spilled)
+            p.spill_bytes += len(spilled)
+        if is_error:
+            p.rows_failed += 1
+        else:
+            p.rows_done += 1
+            p.prompt_tokens += record.tokens[0]
+            p.cached_tokens += record.tokens[1]
+            p.completion_tokens += record.tokens[2]
+        self._held[index] = record
+        self._drain()
+
+    def _drain(self) -> None:
+        p = self.progress
+        while p.next_index in self._held:
+            record = self._held.pop(p.next_index)
+            if record.is_error:
+                self._errors.write(record.line)
+                p.errors_bytes += len(record.line)
+            else:
+                self._results.write(record.line)
+                p.results_bytes += len(record.line)
+            p.next_index += 1
+
+    @property
+    def held(self) -> int:
+        return len(self._held)
+
+    @property
+    def spill_drained(self) -> bool:
+        """Every spilled row is in the ordered files: the spill can be emptied."""
+        return not self._held and self.progress.spill_bytes > 0
+
+    def sync(self) -> Progress:
+        """Flush and fsync the files; returns the progress that is now durable."""
+        for f in (self._results, self._errors, self._spill):
+            f.flush()
+            os.fsync(f.fileno())
+        return dataclasses.replace(self.progress)
+
+    def empty_spill(self) -> None:
+        """Cut the spill to nothing (after a commit that recorded it as empty)."""
+        self._spill.truncate(0)
+        self.progress.spill_bytes = 0
+
+    def close(self) -> None:
+        for f in (self._results, self._errors, self._spill):
+            f.close()
