@@ -6,6 +6,7 @@ Exit codes: 0 every row has a result or an error record; 1 a fatal error (progre
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import tomllib
@@ -45,6 +46,20 @@ def resume_command(args: list[str]) -> str:
 @click.version_option(batchrun.__version__, prog_name="batchrun")
 def cli() -> None:
     """Offline batch jobs for LLM inference on MLX."""
+    _show_warnings()
+
+
+class _EchoHandler(logging.Handler):
+    """batchrun's warnings as one line each on stderr (the progress bar's stream)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(f"warning: {record.getMessage()}", err=True)
+
+
+def _show_warnings() -> None:
+    logger = logging.getLogger("batchrun")
+    if not any(isinstance(h, _EchoHandler) for h in logger.handlers):
+        logger.addHandler(_EchoHandler(logging.WARNING))
 
 
 @cli.command()
@@ -237,9 +252,19 @@ def _ray_runner(spec, opts: dict, config: EngineConfig):
     except ImportError:
         raise _fail("--ray needs Ray: pip install 'batchrun[ray]'") from None
     from batchrun.job.distributed import RayJobRunner, RayOptions
-    from batchrun.models import is_vision_config, model_fingerprint, read_config, resolve
+    from batchrun.models import (
+        ModelError,
+        is_vision_config,
+        local_path,
+        model_fingerprint,
+        read_config,
+    )
 
-    path = resolve(opts["model"])
+    try:
+        path = local_path(opts["model"])  # the snapshot the actors will load: fingerprinted
+    except ModelError as e:
+        raise _fail(str(e), "pass an mlx-lm model folder or a Hugging Face id with --model") \
+            from None
     vision = opts["vision"] or is_vision_config(read_config(path))
     ray_options = RayOptions(opts["ray_address"], opts["ray_actors"], opts["ray_num_cpus"],
                              opts["ray_num_gpus"], opts["ray_slice_rows"])
@@ -324,12 +349,9 @@ def _merge_job_file(ctx: click.Context, path: Path, opts: dict) -> dict:
 def status(job_dir: Path) -> None:
     """Rows done / failed / pending and throughput so far (also while the job runs)."""
     from batchrun.job.report import summary_text
-    from batchrun.job.state import JobLock, read_json
+    from batchrun.job.state import JobLock
 
-    report = read_json(job_dir / "report.json")
-    manifest = read_json(job_dir / "job.json")
-    if manifest is None:
-        raise _fail(f"{job_dir} is not a batchrun job folder (no job.json)")
+    manifest, report = _read_job(job_dir)
     lock = JobLock(job_dir)
     running = not lock.acquire()
     if not running:
@@ -348,18 +370,43 @@ def status(job_dir: Path) -> None:
 def report(job_dir: Path) -> None:
     """Print the job's report; rewrite report.json and report.html."""
     from batchrun.job import report as rp
-    from batchrun.job.state import Progress, read_json
+    from batchrun.job.state import DamagedFile, JobState
 
-    manifest = read_json(job_dir / "job.json")
-    saved = read_json(job_dir / "report.json")
-    if manifest is None or saved is None:
+    manifest, saved = _read_job(job_dir)
+    if saved is None:
         raise _fail(f"{job_dir} has no report yet", "run the job first: batchrun run INPUT")
-    progress = Progress(**(read_json(job_dir / "state.json") or {}))
+    try:
+        progress = JobState(job_dir, job_dir / "results.jsonl", job_dir / "errors.jsonl").saved()
+    except DamagedFile as e:
+        raise _fail(str(e), "resume the job with batchrun run: it rebuilds its state from the "
+                    "files") from None
+    if progress is None:
+        raise _fail(f"{job_dir} has no state.json", "resume the job with batchrun run")
     fresh = rp.build_report(manifest, progress, saved["rows_total"], saved["runs"],
                             saved["device"])
     rp.write_report(job_dir, fresh)
     click.echo(rp.summary_text(fresh))
     click.echo(f"report:     {job_dir / 'report.html'}")
+
+
+def _read_job(job_dir: Path) -> tuple[dict, dict | None]:
+    """A job folder's job.json and report.json (None before the first report); one clear
+    line (exit 1) for a folder that is not a job's or whose files are damaged."""
+    from batchrun.job import manifest as mf
+    from batchrun.job import report as rp
+    from batchrun.job.state import DamagedFile, read_json
+
+    try:
+        manifest = mf.saved_manifest(job_dir)
+        if manifest is None:
+            raise _fail(f"{job_dir} is not a batchrun job folder (no job.json)")
+        report = read_json(job_dir / "report.json")
+    except DamagedFile as e:
+        raise _fail(str(e)) from None
+    if report is not None and not rp.well_formed(report):
+        raise _fail(f"{job_dir / 'report.json'} is damaged (fields are missing)",
+                    "resume the job with batchrun run: it rewrites the report")
+    return manifest, report
 
 
 @cli.command()

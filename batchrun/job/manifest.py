@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import batchrun
-from batchrun.job.state import read_json, write_atomic
+from batchrun.job.state import DamagedFile, read_json, write_atomic
 
 CHUNK = 1 << 20
 
@@ -62,6 +62,19 @@ def well_formed(manifest: dict) -> bool:
                 and isinstance(manifest["created"], int))
     except (KeyError, TypeError):
         return False
+
+
+def saved_manifest(job_dir: Path) -> dict | None:
+    """The job folder's job.json, or None for a new job; raises DamagedFile (saying what to
+    do) if it is damaged."""
+    fix = f"move the job folder {job_dir} away to start over, or pass another --job-dir"
+    try:
+        manifest = load_manifest(job_dir)
+    except DamagedFile as e:
+        raise DamagedFile(f"{e}: {fix}") from None
+    if manifest is not None and not well_formed(manifest):
+        raise DamagedFile(f"{Path(job_dir) / 'job.json'} is damaged (fields are missing): {fix}")
+    return manifest
 
 
 def load_manifest(job_dir: Path) -> dict | None:

@@ -45,6 +45,8 @@ def recover(state: JobState, rows: Iterator[RawRow], expected_id: Callable[[RawR
     committed = dataclasses.asdict(saved) if saved else {}
     paths = {"results_bytes": state.results_path, "errors_bytes": state.errors_path,
              "spill_bytes": state.spill_path}
+    if saved is None and not problems and any(_size(p) for p in paths.values()):
+        problems.append(f"{state.state_path} is missing")
     limits = {}
     for key, path in paths.items():
         size = _size(path)

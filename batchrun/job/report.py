@@ -129,6 +129,20 @@ def write_report(job_dir: Path, report: dict, html_too: bool = True) -> None:
         write_atomic(job_dir / "report.html", render_html(report).encode())
 
 
+_SUMMARY_NUMBERS = ("peak_memory_bytes", "rows_done", "rows_failed", "rows_pending", "rows_total",
+                    "prompt_tokens", "cached_prompt_tokens", "completion_tokens",
+                    "completion_tokens_per_s", "requests_per_s", "wall_s",
+                    "prefill_tokens_per_s", "decode_tokens_per_s", "mean_batch_size",
+                    "max_concurrency")
+
+
+def well_formed(report: dict) -> bool:
+    """Whether a report.json has what `status` and `report` print and rebuild from."""
+    return (all(type(report.get(k)) in (int, float) for k in _SUMMARY_NUMBERS)
+            and isinstance(report.get("runs"), list) and isinstance(report.get("device"), str)
+            and type(report.get("ttft_p50_s")) in (int, float, type(None)))
+
+
 def summary_text(report: dict) -> str:
     gib = report["peak_memory_bytes"] / 2**30
     ttft = report["ttft_p50_s"]

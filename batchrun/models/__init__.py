@@ -85,14 +85,31 @@ def is_vision_config(config: dict) -> bool:
     return "vision_config" in config or "vision_tower" in config
 
 
+def local_path(model: str | None) -> str:
+    """The local folder a model loads from: the demo model's, a local folder, or the snapshot
+    of a Hugging Face id in the hub cache (downloaded there first if it is not yet, as mlx-lm
+    would), so that what is fingerprinted is exactly what is loaded."""
+    path = resolve(model)
+    check_local(path)
+    if Path(path).expanduser().is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+    from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+    try:
+        return snapshot_download(path, local_files_only=True,
+                                 allow_patterns=DEFAULT_ALLOW_PATTERNS)
+    except Exception:  # not in the local hub cache (or incomplete there): fetch it
+        return snapshot_download(path, allow_patterns=DEFAULT_ALLOW_PATTERNS)
+
+
 def load_vision_model(model: str) -> LoadedModel:
     """Load a vision-language model through mlx-vlm; `tokenizer` is then its processor."""
     try:
         from mlx_vlm import load
     except ImportError:
         raise ModelError("vision models need mlx-vlm: pip install 'batchrun[vision]'") from None
-    path = resolve(model)
-    check_local(path)
+    path = local_path(model)
     m, processor = load(path)
     config = read_config(path)
     return LoadedModel(m, processor, config, path, context_length(config),
@@ -102,8 +119,7 @@ def load_vision_model(model: str) -> LoadedModel:
 def load_model(model: str | None) -> LoadedModel:
     from mlx_lm.utils import load
 
-    path = resolve(model)
-    check_local(path)
+    path = local_path(model)
     m, tokenizer, config = load(path, return_config=True)
     return LoadedModel(m, tokenizer, config, path, context_length(config),
                        model_fingerprint(path))
@@ -120,7 +136,10 @@ def context_length(config: dict) -> int | None:
 def model_fingerprint(model_path: str) -> str:
     """Changes when weights, tokenizer, chat template, dtype or the MLX / mlx-lm versions do.
 
-    Weight files are hashed by name, size and their first and last megabyte: cheap for a
+    `model_path` is the local folder that is loaded (see `local_path`). In a Hugging Face hub
+    snapshot (`.../snapshots/<revision>/`, files linked to content-addressed blobs) the revision
+    and each weight file's blob name (its SHA-256) identify the weights exactly. Elsewhere
+    weight files are hashed by name, size and their first and last megabyte: cheap for a
     multi-GB model, and any re-conversion or re-quantization changes them.
     """
     import mlx.core as mx
@@ -129,15 +148,19 @@ def model_fingerprint(model_path: str) -> str:
     h = hashlib.sha256(f"mlx={mx.__version__};mlx-lm={mlx_lm.__version__}".encode())
     root = Path(model_path)
     if not root.is_dir():
-        h.update(model_path.encode())
-        return h.hexdigest()
+        raise ModelError(f"cannot fingerprint {model_path}: not a local model folder")
+    if root.parent.name == "snapshots":
+        h.update(f"revision={root.name}".encode())
     for name in MODEL_FILES:
         p = root / name
-        if p.exists():
+        if p.is_file():
             h.update(name.encode() + p.read_bytes())
     for p in sorted(root.glob("*.safetensors")):
         size = p.stat().st_size
         h.update(f"{p.name}:{size}".encode())
+        if p.is_symlink() and root.parent.name == "snapshots":
+            h.update(f"blob={Path(os.readlink(p)).name}".encode())
+            continue
         with open(p, "rb") as f:
             h.update(f.read(CHUNK))
             f.seek(max(0, size - CHUNK))

@@ -1,0 +1,294 @@
+"""Users' data: an output belongs to one job, a finished row is durable at once whatever rows
+before it still run, state.json is checked against the files (never trusted), and damaged job
+files or inputs give one clear line."""
+
+import gzip
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from batchrun.cli import resume_command
+from tests.helpers import jsonl, run, write_rows
+
+
+def rows_file(tmp_path: Path, n: int = 12, name: str = "rows.jsonl") -> Path:
+    return write_rows(tmp_path / name, [{"custom_id": f"r{i}", "prompt": f"row {i} says",
+                                         "max_tokens": 3} for i in range(n)])
+
+
+# -- output ownership ---------------------------------------------------------------------------
+
+def test_output_equal_to_the_input_is_refused_before_the_model_loads(tmp_path):
+    rows = rows_file(tmp_path)
+    before = rows.read_bytes()
+    refused = run(rows, "-o", rows, "--job-dir", tmp_path / "job", code=2)
+    assert "is the input file" in refused.output
+    assert "model:" not in refused.output  # refused before loading anything
+    assert rows.read_bytes() == before
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(rows)
+    run(rows, "-o", link, "--job-dir", tmp_path / "job", code=2)
+    assert rows.read_bytes() == before
+
+
+def test_a_second_job_cannot_take_another_jobs_output(tmp_path):
+    out = tmp_path / "labels.jsonl"
+    run(rows_file(tmp_path), "-o", out, "--job-dir", tmp_path / "a")
+    labels = out.read_bytes()
+    other = rows_file(tmp_path, 5, "other.jsonl")
+    refused = run(other, "-o", out, "--job-dir", tmp_path / "b", code=2)
+    assert "belongs to the job in" in refused.output and str(tmp_path / "a") in refused.output
+    assert out.read_bytes() == labels
+    run(rows_file(tmp_path), "-o", out, "--job-dir", tmp_path / "a")  # its owner resumes
+    assert out.read_bytes() == labels
+
+
+def test_an_output_inside_another_jobs_folder_is_refused(tmp_path):
+    rows = rows_file(tmp_path)
+    run(rows, "--job-dir", tmp_path / "a")
+    other = rows_file(tmp_path, 5, "other.jsonl")
+    refused = run(other, "-o", tmp_path / "a" / "mine.jsonl", "--job-dir", tmp_path / "b",
+                  code=2)
+    assert "inside the job folder" in refused.output
+    refused = run(other, "-o", tmp_path / "b" / "state.json", "--job-dir", tmp_path / "b",
+                  code=2)
+    assert "job folder's own files" in refused.output
+
+
+def test_a_file_batchrun_did_not_write_is_never_replaced(tmp_path):
+    precious = tmp_path / "precious.jsonl"
+    precious.write_text('{"label": "hand-made"}\n')
+    refused = run(rows_file(tmp_path), "-o", precious, "--job-dir", tmp_path / "job", code=2)
+    assert "was not written by this job" in refused.output
+    assert precious.read_text() == '{"label": "hand-made"}\n'
+    refused = run(rows_file(tmp_path), "-o", precious, "--job-dir", tmp_path / "job",
+                  "--restart", code=2)
+    assert precious.read_text() == '{"label": "hand-made"}\n'
+
+
+def test_a_job_files_output_follows_its_job_dir(tmp_path):
+    rows_file(tmp_path)
+    job_file = tmp_path / "label.toml"
+    job_file.write_text('input = "rows.jsonl"\noutput = "labels.jsonl"\nmax_tokens = 3\n')
+    run(job_file)
+    labels = (tmp_path / "labels.jsonl").read_bytes()
+    # What the refusal for a changed job advises: another --job-dir. It must keep both jobs.
+    moved = run(job_file, "--job-dir", tmp_path / "elsewhere", "--max-tokens", "5")
+    assert "moved with --job-dir" in moved.output
+    assert (tmp_path / "labels.jsonl").read_bytes() == labels
+    assert len(jsonl(tmp_path / "elsewhere" / "labels.jsonl")) == 12
+
+
+def test_no_printed_hint_contains_restart():
+    args = ["rows.jsonl", "--restart", "--job-dir", "jobs/x y"]
+    assert resume_command(args) == "batchrun run rows.jsonl --job-dir 'jobs/x y'"
+
+
+def test_ctrl_c_after_restart_hints_a_resume_that_keeps_progress(tmp_path):
+    rows = write_rows(tmp_path / "rows.jsonl", [{"custom_id": f"r{i}", "prompt": f"row {i}",
+                                                 "max_tokens": 40} for i in range(300)])
+    job = tmp_path / "job"
+    proc = subprocess.Popen([sys.executable, "-m", "batchrun", "run", str(rows), "--job-dir",
+                             str(job), "--restart", "--quiet", "--max-concurrency", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait(lambda: _lines(job / "results.jsonl") >= 10, proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "resume with:" in err and "--restart" not in err.split("resume with:")[1]
+    assert "Traceback" not in err
+
+
+# -- durable rows, whatever the order --------------------------------------------------------
+
+def test_rows_finished_behind_a_slow_row_survive_a_kill_and_are_not_computed_again(tmp_path):
+    n = 41
+    rows = [{"custom_id": "slow", "prompt": "Once upon a time", "max_tokens": 900}]
+    rows += [{"custom_id": f"r{i}", "prompt": f"row {i} says", "max_tokens": 3}
+             for i in range(1, n)]
+    path = write_rows(tmp_path / "rows.jsonl", rows)
+    job = tmp_path / "job"
+    proc = subprocess.Popen([sys.executable, "-m", "batchrun", "run", str(path), "--job-dir",
+                             str(job), "--quiet", "--max-concurrency", "8"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # The slow row 0 holds the ordered output back; the others are committed from the spill.
+    _wait(lambda: _committed(job) >= 20, proc, timeout=120)
+    proc.kill()
+    proc.wait()
+    assert _lines(job / "results.jsonl") == 0, "row 0 should still have been running"
+    durable = _committed(job)
+    assert durable >= 20
+    spilled = {orjson.loads(r["line"])["custom_id"]: r["line"].encode()
+               for r in jsonl(job / "spill.jsonl")}
+
+    run(path, "--job-dir", job, "--max-concurrency", "8")
+    results = jsonl(job / "results.jsonl")
+    assert [r["custom_id"] for r in results] == [r["custom_id"] for r in rows]
+    lines = (job / "results.jsonl").read_bytes().splitlines(keepends=True)
+    for line in lines:  # spilled rows are written as they were spilled
+        cid = orjson.loads(line)["custom_id"]
+        if cid in spilled:
+            assert spilled[cid] == line
+    report = orjson.loads((job / "report.json").read_bytes())
+    resumed = report["runs"][-1]
+    assert resumed["rows_done"] + resumed["rows_failed"] == n - durable  # none computed again
+    assert report["rows_done"] == n
+    assert (job / "spill.jsonl").stat().st_size == 0  # emptied once nothing is held
+
+
+# -- state verified, not trusted -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished job (results, errors) and its bytes, to tamper with."""
+    tmp = tmp_path_factory.mktemp("finished")
+    rows = [{"custom_id": f"r{i}", "prompt": f"row {i} says", "max_tokens": 3} for i in range(30)]
+    path = tmp / "rows.jsonl"
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows[:10]) + b"{bad json\n"
+                     + b"".join(orjson.dumps(r) + b"\n" for r in rows[10:]))
+    job = tmp / "job"
+    run(path, "--job-dir", job)
+    return path, job, (job / "results.jsonl").read_bytes(), (job / "errors.jsonl").read_bytes()
+
+
+def _copy_job(finished, tmp_path) -> tuple[Path, Path]:
+    path, job, results, errors = finished
+    new = tmp_path / "job"
+    new.mkdir()
+    for name in ("state.json", "results.jsonl", "errors.jsonl", "report.json"):
+        (new / name).write_bytes((job / name).read_bytes())
+    manifest = orjson.loads((job / "job.json").read_bytes())  # the same job, moved
+    manifest["output"] = manifest["options"]["output"] = str((new / "results.jsonl").resolve())
+    (new / "job.json").write_bytes(orjson.dumps(manifest))
+    # The copy owns its results file (the marker names its folder).
+    (new / ".results.jsonl.batchrun").write_bytes(orjson.dumps({"job_dir": str(new.resolve())}))
+    return path, new
+
+
+def _edit_state(job: Path, **changes) -> None:
+    state = orjson.loads((job / "state.json").read_bytes())
+    for key, delta in changes.items():
+        state[key] += delta
+    (job / "state.json").write_bytes(orjson.dumps(state))
+
+
+@pytest.mark.parametrize("tamper", ["next_index_up", "next_index_down", "garbage_state",
+                                    "cut_results", "drop_middle_line", "missing_results",
+                                    "missing_state", "results_bytes_up"])
+def test_a_resume_checks_the_state_against_the_files(finished, tmp_path, tamper):
+    _, _, results, errors = finished
+    path, job = _copy_job(finished, tmp_path)
+    if tamper == "next_index_up":
+        _edit_state(job, next_index=50)
+    elif tamper == "next_index_down":
+        _edit_state(job, next_index=-5)
+    elif tamper == "garbage_state":
+        (job / "state.json").write_bytes(b'{"next_index": 3, "results_')
+    elif tamper == "cut_results":
+        (job / "results.jsonl").write_bytes(results[: len(results) // 2])
+    elif tamper == "drop_middle_line":
+        lines = results.splitlines(keepends=True)
+        (job / "results.jsonl").write_bytes(b"".join(lines[:5] + lines[6:]))
+    elif tamper == "missing_results":
+        (job / "results.jsonl").unlink()
+    elif tamper == "missing_state":
+        (job / "state.json").unlink()
+    elif tamper == "results_bytes_up":
+        _edit_state(job, results_bytes=10_000)
+    out = run(path, "--job-dir", job)
+    assert "resuming from what the files hold" in out.output
+    assert "Traceback" not in out.output
+    # No row skipped, none twice: the same bytes as the untouched job.
+    assert (job / "results.jsonl").read_bytes() == results
+    assert (job / "errors.jsonl").read_bytes() == errors
+    report = orjson.loads((job / "report.json").read_bytes())
+    assert (report["rows_done"], report["rows_failed"]) == (30, 1)
+
+
+# -- damaged inputs and job files ------------------------------------------------------------
+
+def test_a_truncated_gzip_input_is_one_line(tmp_path):
+    data = gzip.compress(b"".join(orjson.dumps({"prompt": f"row {i}"}) + b"\n"
+                                  for i in range(200)))
+    path = tmp_path / "rows.jsonl.gz"
+    path.write_bytes(data[: len(data) // 2])
+    out = run(path, "--job-dir", tmp_path / "job", code=1)
+    assert "rows.jsonl.gz is damaged" in out.output and "Traceback" not in out.output
+
+
+@pytest.mark.parametrize("content", [b"", b"{not json", b"[1, 2]", b'{"input": 3}',
+                                     b"\xff\xfe\x00"])
+def test_a_damaged_job_json_is_one_line_for_run_status_and_report(tmp_path, content):
+    rows = rows_file(tmp_path)
+    job = tmp_path / "job"
+    run(rows, "--job-dir", job)
+    (job / "job.json").write_bytes(content)
+    for args in (["run", rows, "--job-dir", job, "--quiet"], ["status", job], ["report", job]):
+        result = _invoke(*args)
+        assert result.exit_code == 1, result.output
+        assert "job.json is damaged" in result.output and "Traceback" not in result.output
+        assert len(result.output.strip().splitlines()) <= 3
+
+
+@pytest.mark.parametrize("name", ["report.json", "state.json"])
+def test_damaged_report_or_state_is_one_line_for_status_and_report(tmp_path, name):
+    rows = rows_file(tmp_path)
+    job = tmp_path / "job"
+    run(rows, "--job-dir", job)
+    (job / name).write_bytes(b'{"rows_done": ')
+    result = _invoke("report", job)
+    assert result.exit_code == 1 and f"{name} is damaged" in result.output
+    assert "Traceback" not in result.output
+    if name == "report.json":
+        result = _invoke("status", job)
+        assert result.exit_code == 1 and "report.json is damaged" in result.output
+    run(rows, "--job-dir", job)  # a resume rewrites it
+    assert _invoke("report", job).exit_code == 0
+
+
+def test_a_fifo_as_state_json_does_not_hang(tmp_path):
+    rows = rows_file(tmp_path)
+    job = tmp_path / "job"
+    run(rows, "--job-dir", job)
+    results = (job / "results.jsonl").read_bytes()
+    (job / "state.json").unlink()
+    os.mkfifo(job / "state.json")
+    out = run(rows, "--job-dir", job)  # rebuilt from the files (the FIFO is replaced)
+    assert "not a regular file" in out.output
+    assert (job / "results.jsonl").read_bytes() == results
+
+
+# -- helpers -----------------------------------------------------------------------------------
+
+def _invoke(*args):
+    from click.testing import CliRunner
+
+    from batchrun.cli import cli
+
+    return CliRunner().invoke(cli, [str(a) for a in args])
+
+
+def _lines(path: Path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def _committed(job: Path) -> int:
+    try:
+        state = orjson.loads((job / "state.json").read_bytes())
+    except (OSError, ValueError):
+        return 0
+    return state["rows_done"] + state["rows_failed"]
+
+
+def _wait(condition, proc, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, "the job ended before the condition held"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
