@@ -34,7 +34,7 @@ from batchrun.job.feeder import Feeder
 from batchrun.job.records import error_record, result_record
 from batchrun.job.recovery import recover
 from batchrun.job.rows import RowError, RowOptions, Task, build_task, explicit_id, row_id
-from batchrun.job.sink import OrderedSink, Record
+from batchrun.job.sink import OrderedSink, Record, commit
 from batchrun.job.state import DamagedFile, JobLock, JobState, Progress
 
 log = logging.getLogger("batchrun")
@@ -421,13 +421,7 @@ class JobRunner(RowWork):
 
     def _commit(self, sink: OrderedSink, runs: list[dict], started: float, wall: float,
                 status: str) -> None:
-        progress = sink.sync()
-        drained = sink.spill_drained
-        if drained:  # every spilled row is in the ordered files: commit an empty spill
-            progress.spill_bytes = 0
-        self.state.commit(progress)
-        if drained:
-            sink.empty_spill()
+        progress = commit(sink, self.state)
         self.engine.sample_timeline(force=status != "running")
         start = self._start_progress
         run = rp.run_entry(started, status, self.engine.stats,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import orjson
 
-from batchrun.job.state import Progress
+from batchrun.job.state import JobState, Progress
 
 
 @dataclass(slots=True)
@@ -129,3 +129,16 @@ class OrderedSink:
     def close(self) -> None:
         for f in (self._results, self._errors, self._spill):
             f.close()
+
+
+def commit(sink: OrderedSink, state: JobState) -> Progress:
+    """Make everything the sink wrote durable and record it in state.json; empty the spill
+    once no row is held (state.json first says it is empty, so a crash in between is safe)."""
+    progress = sink.sync()
+    drained = sink.spill_drained
+    if drained:
+        progress.spill_bytes = 0
+    state.commit(progress)
+    if drained:
+        sink.empty_spill()
+    return progress
