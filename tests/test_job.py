@@ -80,6 +80,7 @@ def test_changed_input_or_options_are_refused_unless_restart(rows_file, tmp_path
     assert "different job" in refused.output and "max_tokens" in refused.output
     assert "--restart" not in refused.output  # a printed hint never discards progress
     assert "another --job-dir" in refused.output
+    assert "model:" not in refused.output  # refused before the model loads
     with open(rows_file, "a") as f:
         f.write('{"prompt": "one more"}\n')
     refused = run(rows_file, "--job-dir", job, code=2)

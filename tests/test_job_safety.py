@@ -222,6 +222,20 @@ def test_a_truncated_gzip_input_is_one_line(tmp_path):
     assert "rows.jsonl.gz is damaged" in out.output and "Traceback" not in out.output
 
 
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_a_damaged_parquet_input_is_one_line(tmp_path, damage):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"prompt": [f"row {i}" for i in range(300)]}), path)
+    data = path.read_bytes()
+    path.write_bytes(b"PAR1 not really" * 40 if damage == "garbage" else data[: len(data) // 2])
+    out = run(path, "--job-dir", tmp_path / "job", code=1)
+    assert "is not a readable Parquet file" in out.output and "Traceback" not in out.output
+    assert len(out.output.strip().splitlines()) <= 6
+
+
 @pytest.mark.parametrize("content", [b"", b"{not json", b"[1, 2]", b'{"input": 3}',
                                      b"\xff\xfe\x00"])
 def test_a_damaged_job_json_is_one_line_for_run_status_and_report(tmp_path, content):

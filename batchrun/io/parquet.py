@@ -2,22 +2,40 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrun.io.jsonl import RawRow
+from batchrun.io.jsonl import InputError, RawRow
 
 BATCH_ROWS = 1024
 
 
+@contextlib.contextmanager
+def _reading(path: Path):
+    """A damaged or unreadable Parquet file is one InputError naming it."""
+    try:
+        yield
+    except (pa.ArrowException, OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InputError(f"{path} is not a readable Parquet file ({first[:200]})") from None
+
+
 def count_parquet(path: str | Path) -> int:
-    return pq.ParquetFile(path).metadata.num_rows
+    with _reading(Path(path)):
+        return pq.ParquetFile(path).metadata.num_rows
 
 
 def read_parquet(path: str | Path, start: int = 0) -> Iterator[RawRow]:
     """Rows as dicts of Python values, from index `start` on, a record batch at a time."""
+    with _reading(Path(path)):
+        yield from _rows(path, start)
+
+
+def _rows(path: str | Path, start: int) -> Iterator[RawRow]:
     index = 0
     for batch in pq.ParquetFile(path).iter_batches(batch_size=BATCH_ROWS):
         if index + batch.num_rows <= start:
@@ -28,12 +46,3 @@ def read_parquet(path: str | Path, start: int = 0) -> Iterator[RawRow]:
                 # Parquet has no lines; `line` is the 1-based row number.
                 yield RawRow(index, index + 1, row)
             index += 1
-
-
-def write_parquet_output(input_path: Path, results: Path, errors: Path, out: Path) -> None:
-    """The whole output at the end of a job; runner.py's import until it drives
-    parquet_output.ParquetOutput itself (imported here, not at the top: that module imports
-    this one)."""
-    from batchrun.io.parquet_output import write_parquet_output as write
-
-    write(input_path, results, errors, out)

@@ -39,12 +39,13 @@ def new_manifest(input_fp: dict, model: str, model_path: str, model_fp: str, opt
 
 
 def differences(old: dict, new: dict) -> list[str]:
-    """What changed between the job on disk and this command, in words."""
+    """What changed between the job on disk and this command, in words (`new` may leave out
+    the model: its fingerprint is known only once it is found)."""
     changed = []
     if old["input"]["sha256"] != new["input"]["sha256"]:
         changed.append(f"the input changed ({old['input']['path']}: "
                        f"{old['input']['size']:,} -> {new['input']['size']:,} bytes)")
-    if old["model"]["fingerprint"] != new["model"]["fingerprint"]:
+    if "model" in new and old["model"]["fingerprint"] != new["model"]["fingerprint"]:
         changed.append(f"the model changed ({old['model']['name']} -> {new['model']['name']})")
     for key in sorted(set(old["options"]) | set(new["options"])):
         a, b = old["options"].get(key), new["options"].get(key)

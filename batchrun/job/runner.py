@@ -26,7 +26,8 @@ from tqdm import tqdm
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import FinishReason, Output
 from batchrun.io.jsonl import InputError, RawRow, count_jsonl, read_jsonl
-from batchrun.io.parquet import count_parquet, read_parquet, write_parquet_output
+from batchrun.io.parquet import count_parquet, read_parquet
+from batchrun.io.parquet_output import ParquetOutput
 from batchrun.job import manifest as mf
 from batchrun.job import ownership
 from batchrun.job import report as rp
@@ -69,6 +70,14 @@ class JobSpec:
     rows: RowOptions
     restart: bool = False
     quiet: bool = False
+    _input_fingerprint: dict | None = None
+
+    @property
+    def input_fingerprint(self) -> dict:
+        """The input's size and hash (computed once: the file may be large)."""
+        if self._input_fingerprint is None:
+            self._input_fingerprint = mf.input_fingerprint(self.input)
+        return self._input_fingerprint
 
     @property
     def parquet_output(self) -> bool:
@@ -102,13 +111,25 @@ def saved_manifest(job_dir: Path) -> dict | None:
 
 
 def check_paths(spec: JobSpec) -> None:
-    """Refuse, before any work, an output this job may not write (job/ownership.py)."""
+    """Refuse, before any work (the model is not loaded yet), an output this job may not
+    write (job/ownership.py) and a job folder that holds another input or options."""
     manifest = saved_manifest(spec.job_dir)
     owned = manifest is not None and manifest.get("output") == str(spec.output.resolve())
     try:
         ownership.check(spec.output, spec.input, spec.job_dir, owned)
     except ownership.OutputConflict as e:
         raise JobConflict(str(e)) from None
+    if manifest is not None and not spec.restart:
+        check_same_job(spec, manifest, {"input": spec.input_fingerprint,
+                                        "options": spec.options()})
+
+
+def check_same_job(spec: JobSpec, old: dict, new: dict) -> None:
+    changed = mf.differences(old, new)
+    if changed:
+        raise JobConflict(f"{spec.job_dir} holds a different job: " + "; ".join(changed)
+                          + f".\n  Pass another --job-dir to keep both, or move {spec.job_dir} "
+                          "away to discard its progress.")
 
 
 def default_job_dir(input_path: Path) -> Path:
@@ -242,6 +263,7 @@ class JobRunner(RowWork):
         self._interrupted = False
         self._seen_ids: dict[bytes, int] = {}  # hash of an explicit row id -> its first line
         self._spilled: dict[int, Record] = {}  # rows finished past the frontier, from the spill
+        self._parquet: ParquetOutput | None = None  # -o *.parquet, written as rows commit
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -253,6 +275,7 @@ class JobRunner(RowWork):
         recover its progress from the files."""
         spec = self.spec
         spec.job_dir.mkdir(parents=True, exist_ok=True)
+        spec.output.parent.mkdir(parents=True, exist_ok=True)
         if not self.lock.acquire():
             raise JobError(f"job folder {spec.job_dir} is in use by another batchrun process "
                            f"(pid {self.lock.holder()}); wait for it or use another --job-dir")
@@ -263,17 +286,12 @@ class JobRunner(RowWork):
         if self.rows_total == 0:
             raise JobError(f"{spec.input} has no rows")
         self.check_paths()
-        new = mf.new_manifest(mf.input_fingerprint(spec.input), self.model_name,
+        new = mf.new_manifest(spec.input_fingerprint, self.model_name,
                               self.model_path, self.engine.model_fingerprint,
                               spec.options(), spec.output.resolve())
         old = saved_manifest(spec.job_dir)
         if old is not None and not spec.restart:
-            changed = mf.differences(old, new)
-            if changed:
-                raise JobConflict(
-                    f"{spec.job_dir} holds a different job: " + "; ".join(changed)
-                    + f".\n  Pass another --job-dir to keep both, or move {spec.job_dir} "
-                    "away to discard its progress.")
+            check_same_job(spec, old, new)
             new["created"] = old["created"]
         try:
             ownership.claim(spec.output, spec.job_dir)
@@ -290,6 +308,13 @@ class JobRunner(RowWork):
         for problem in recovery.problems:
             log.warning("%s: %s; resuming from what the files hold", spec.job_dir, problem)
         self._spilled = recovery.spilled
+        if spec.parquet_output:
+            try:
+                self._parquet = ParquetOutput(spec.input, spec.output, spec.results_path,
+                                              spec.errors_path)
+            except ValueError as e:
+                raise JobError(str(e)) from None
+            self._parquet.advance(recovery.progress.next_index)
         return recovery.progress
 
     # -- the loop -------------------------------------------------------------------------------
@@ -302,6 +327,8 @@ class JobRunner(RowWork):
         except InputError as e:  # the input turned out damaged part-way: progress is kept
             raise JobError(str(e)) from None
         finally:
+            if self._parquet is not None:
+                self._parquet.close()  # a no-op after finish(); else drops the partial file
             self.lock.release()
 
     def _run(self, progress: Progress) -> dict:
@@ -345,8 +372,8 @@ class JobRunner(RowWork):
             sink.close()
         if self._interrupted:
             raise Interrupted()
-        if spec.parquet_output:
-            write_parquet_output(spec.input, spec.results_path, spec.errors_path, spec.output)
+        if self._parquet is not None:
+            self._parquet.finish()
         return self.report
 
     def _loop(self, progress: Progress, sink: OrderedSink, bar, tick) -> None:
@@ -422,6 +449,8 @@ class JobRunner(RowWork):
     def _commit(self, sink: OrderedSink, runs: list[dict], started: float, wall: float,
                 status: str) -> None:
         progress = commit(sink, self.state)
+        if self._parquet is not None and status == "running":
+            self._parquet.advance(progress.next_index)
         self.engine.sample_timeline(force=status != "running")
         start = self._start_progress
         run = rp.run_entry(started, status, self.engine.stats,
