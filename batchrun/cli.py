@@ -509,14 +509,24 @@ def cache_stats(cache_dir: Path | None) -> None:
 def cache_clear(cache_dir: Path | None, yes: bool) -> None:
     """Delete every prefix-cache entry."""
     import shutil
+    import stat
 
     root = (cache_dir or default_cache_dir()) / "prefix"
-    if not root.exists():
+    try:
+        mode = root.lstat().st_mode
+    except FileNotFoundError:
         click.echo("nothing to clear")
         return
+    except OSError as e:
+        raise click.ClickException(f"cannot read {root}: {e.strerror or e}") from None
+    if not stat.S_ISDIR(mode):  # a link is never followed out of the cache
+        raise click.ClickException(f"{root} is not a folder (a link or a file); nothing cleared")
     if not yes:
         click.confirm(f"delete {root}?", abort=True)
-    shutil.rmtree(root)
+    try:
+        shutil.rmtree(root)  # removes links inside, never their targets
+    except OSError as e:
+        raise click.ClickException(f"could not clear {root}: {e.strerror or e}") from None
     click.echo(f"cleared {root}")
 
 

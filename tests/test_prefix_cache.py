@@ -10,8 +10,9 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
-from batchrun.cache import make_prefix_cache
-from batchrun.cache.disk import DiskCache, entry_files
+from batchrun.cache import block_layout, make_prefix_cache
+from batchrun.cache.disk import DiskCache
+from batchrun.cache.layout import BlockLayout
 from batchrun.cache.prefix import Block, PrefixCache, block_keys
 from batchrun.cli import cli
 from batchrun.engine.engine import Engine
@@ -27,6 +28,10 @@ def chat_rows(n):
     return [[{"role": "system", "content": INSTRUCTION},
              {"role": "user", "content": f"Review {i}: it is {'great' if i % 2 else 'awful'}"}]
             for i in range(n)]
+
+
+def entry_files(folder: Path) -> list[Path]:
+    return [p for p in folder.glob("*.safetensors") if not p.name.startswith(".")]
 
 
 def engine(demo, cache=None, **config):
@@ -97,13 +102,14 @@ def test_lru_eviction_by_bytes():
 def test_disk_round_trip_and_corrupt_entries_are_skipped(demo, tmp_path):
     rows = chat_rows(6)
     plain = run_chat(engine(demo, max_concurrency=3), rows)
-    first = make_prefix_cache(FP, 1 << 30, tmp_path, block_size=32)
+    layout = block_layout(demo.model)
+    first = make_prefix_cache(FP, 1 << 30, tmp_path, block_size=32, layout=layout)
     run_chat(engine(demo, first, max_concurrency=3), rows)
     files = sorted(entry_files(first.disk.folder))
     assert len(files) == len(first.blocks) >= 4
 
     # A fresh process's view: everything comes from disk, outputs unchanged.
-    warm = make_prefix_cache(FP, 1 << 30, tmp_path, block_size=32)
+    warm = make_prefix_cache(FP, 1 << 30, tmp_path, block_size=32, layout=layout)
     outs = run_chat(engine(demo, warm, max_concurrency=3), rows)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert warm.stats.disk_loaded_blocks == len(files) and outs[0].cached_tokens > 0
@@ -114,19 +120,16 @@ def test_disk_round_trip_and_corrupt_entries_are_skipped(demo, tmp_path):
     data = bytearray(files[1].read_bytes())
     data[-20:] = bytes(20)
     files[1].write_bytes(bytes(data))
-    other = DiskCache(tmp_path, "cd" * 32, 32)
-    foreign = other.path(bytes.fromhex(files[2].stem))
-    foreign.write_bytes(files[2].read_bytes())
-    files[2].write_bytes(foreign.read_bytes().replace(FP.encode(), ("cd" * 32).encode()))
+    files[2].write_bytes(files[2].read_bytes().replace(FP.encode(), ("cd" * 32).encode()))
 
-    damaged = make_prefix_cache(FP, 1 << 30, tmp_path, block_size=32)
+    damaged = make_prefix_cache(FP, 1 << 30, tmp_path, block_size=32, layout=layout)
     outs = run_chat(engine(demo, damaged, max_concurrency=3), rows)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert damaged.disk.skipped >= 1  # the first block is corrupt: nothing after it is used
 
 
 def test_disk_cap_evicts_least_recently_used(tmp_path):
-    disk = DiskCache(tmp_path, FP, 4, cap_bytes=1)
+    disk = DiskCache.open(tmp_path, FP, 4, BlockLayout(1, 1, 2, "F32"), cap_bytes=1)
     k = mx.ones((1, 1, 4, 2))
     first = Block(block_keys([1, 2, 3, 4], 4, disk.root)[0], disk.root, (1, 2, 3, 4), [k], [k])
     disk.save([first])
@@ -191,7 +194,7 @@ def test_two_processes_share_one_cache_folder(tmp_path):
               .read_bytes().splitlines()] for i in range(2)]
     assert texts[0] == texts[1]
     folder = next((cache / "prefix").iterdir())
-    assert not [p for p in folder.iterdir() if p.name.endswith(".tmp.safetensors")]
+    assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]
     index = orjson.loads((folder / "index.json").read_bytes())
     assert set(index) == {p.stem for p in entry_files(folder)}
 

@@ -1,177 +1,297 @@
-"""The prefix cache on disk: one safetensors file per block, an index, a size cap, LRU eviction.
+"""The prefix cache on disk: one file per block, an index, a size cap, LRU eviction.
 
 Layout: `<cache_dir>/prefix/<model fingerprint>/<block key>.safetensors`, plus `index.json`
-(key -> bytes, tokens, last use) in the same folder. Entries of another model live in another
-folder, so a changed model never reads them.
+(key -> bytes, tokens, last use) and `index.lock` in the same folder. Entries of another model
+live in another folder, so a changed model never reads them.
 
-Safety: a block file is written to a temporary name and renamed, so readers see whole files
-only. Its metadata carries the model fingerprint, the parent key, the tokens and a checksum of
-the tensors; a loaded block must hash back to its own key and match its checksum, or it is
-skipped with a warning and never used. The index is rewritten under an exclusive lock
-(`index.lock`), so several jobs and processes can share one cache folder; a missing or corrupt
-index is rebuilt from the files.
+Invariant: a block is used only if it is a regular file inside a model folder that we own and
+that no other user can write, and its header matches the loading model (fingerprint, block
+tokens, and per layer keys and values of shape (1, kv_heads, block_tokens, head_dim) in the
+model's dtype, for every layer), its tokens hash back to its key, and its checksum holds.
+Anything else is as if absent: the block is recomputed, outputs do not change.
+
+Why the folder and not the checksum carries the trust: whoever can write a block can also
+recompute its checksum (it covers the metadata and tensors, so it catches damage, not forgery).
+So the model folder must be private: batchrun creates every cache folder 0700 and refuses (one
+warning, no disk cache for the job) a model folder owned by another user or writable by others,
+even under an explicit --cache-dir, because any co-writer could silently change every output.
+The default folder (~/.cache/batchrun, used when the user names none) is refused the same way;
+an explicit --cache-dir / $BATCHRUN_CACHE_DIR root is the user's choice, and is safe even when
+shared, since the private model folder inside it is held open by its descriptor (folder.py).
+
+Faults never stop a job: a damaged entry (truncated, altered, wrong layout, a link, FIFO or
+folder in its place) is removed, warned about once per job and written again when the block is
+recomputed; a malformed index is rebuilt from the files; an I/O error (full disk, read-only or
+unreadable folder) is one warning per kind and the job goes on without that entry.
+Writes are not fsynced: a file torn by a crash is a damaged entry, found and replaced on load.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import hashlib
+import errno
 import logging
 import os
+import re
+import stat
 import time
 from pathlib import Path
 
-import mlx.core as mx
 import orjson
 
+from batchrun.cache import blockfile
+from batchrun.cache.folder import NotRegularFile, PrivateFolder, sharing_problem
+from batchrun.cache.layout import DTYPES, BlockLayout
 from batchrun.cache.prefix import Block, block_keys
-from batchrun.io.files import write_atomic
 
 log = logging.getLogger("batchrun.cache")
-FORMAT = "batchrun-prefix-1"
+FORMAT = "batchrun-prefix-2"
 DEFAULT_CAP_BYTES = 8 * 2**30
+SUFFIX = ".safetensors"
+INDEX, LOCK = "index.json", "index.lock"
+MAX_INDEX_BYTES = 64 * 2**20
+_ENTRY = re.compile(r"[0-9a-f]{32}\.safetensors")
+
+
+def home_cache_dir() -> Path:
+    """The cache folder used when the user names none (no --cache-dir, no $BATCHRUN_CACHE_DIR)."""
+    return Path.home() / ".cache" / "batchrun"
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("BATCHRUN_CACHE_DIR") or Path.home() / ".cache" / "batchrun")
-
-
-def _checksum(arrays: dict[str, mx.array]) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    for name in sorted(arrays):
-        h.update(name.encode())
-        h.update(memoryview(mx.view(arrays[name], mx.uint8)).tobytes())
-    return h.hexdigest()
+    return Path(os.environ.get("BATCHRUN_CACHE_DIR") or home_cache_dir())
 
 
 class DiskCache:
-    def __init__(self, cache_dir: Path, model_fingerprint: str, block_size: int,
-                 cap_bytes: int = DEFAULT_CAP_BYTES):
+    """Blocks of one model in `folder`; `load` and `save` never raise for a cache fault."""
+
+    def __init__(self, files: PrivateFolder, model_fingerprint: str, block_size: int,
+                 layout: BlockLayout, cap_bytes: int = DEFAULT_CAP_BYTES):
+        self.files = files
+        self.folder = files.path
         self.model = model_fingerprint
         self.root = bytes.fromhex(model_fingerprint)[:16]
         self.block_size = block_size
+        self.layout = layout
         self.cap_bytes = cap_bytes
-        self.folder = Path(cache_dir) / "prefix" / model_fingerprint[:32]
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.skipped = 0
+        self.skipped = 0  # damaged entries found (and removed) by this instance
         self.saved = 0
+        self._warned: set[str] = set()
+        shape = layout.shape(block_size)  # the tensors every entry must hold, nothing else
+        self.expected = {name: (shape, layout.dtype) for name in _tensor_names(layout.layers)}
+        self._meta = {"format": FORMAT, "model": model_fingerprint,
+                      "block_size": str(block_size), "layers": str(layout.layers),
+                      "kv_heads": str(layout.kv_heads), "head_dim": str(layout.head_dim),
+                      "dtype": layout.dtype}
+        self._max_file_bytes = layout.block_bytes(block_size) + 2**20  # tensors + any header
 
-    def path(self, key: bytes) -> Path:
-        return self.folder / f"{key.hex()}.safetensors"
+    @classmethod
+    def open(cls, cache_dir: Path, model_fingerprint: str, block_size: int,
+             layout: BlockLayout | None, cap_bytes: int = DEFAULT_CAP_BYTES) -> DiskCache | None:
+        """The model's cache under `cache_dir`, or None (after one warning) when it cannot be
+        used safely: an unknown layout, a shared default folder, a model folder that is not
+        private, or a folder that cannot be created or opened."""
+        off = "the job runs without the disk prefix cache"
+        if layout is None:
+            log.warning("prefix cache: no block layout is known for this model (it needs one "
+                        "plain KV cache shape for every layer); %s", off)
+            return None
+        root = Path(cache_dir).expanduser()
+        try:
+            if _same_folder(root, home_cache_dir()) and (problem := _root_problem(root)):
+                log.warning("prefix cache: %s %s; %s (make it yours with mode 700, or pass "
+                            "--cache-dir)", root, problem, off)
+                return None
+            files = PrivateFolder.open(root, ["prefix", model_fingerprint[:32]])
+            problem = files.sharing_problem()
+        except OSError as e:
+            log.warning("prefix cache: cannot open %s (%s); %s", root, _why(e), off)
+            return None
+        if problem:
+            files.close()
+            log.warning("prefix cache: %s %s; %s (make it yours with mode 700, or remove it)",
+                        files.path, problem, off)
+            return None
+        return cls(files, model_fingerprint, block_size, layout, cap_bytes)
 
-    # -- reading ---------------------------------------------------------------------------
+    def close(self) -> None:
+        self.files.close()
+
+    # -- reading -------------------------------------------------------------------------------
 
     def load(self, key: bytes) -> Block | None:
         """The block stored under `key`, or None if absent or not trustworthy."""
-        path = self.path(key)
-        if not path.exists():
+        name = _file_name(key)
+        try:
+            data = self.files.read(name, self._max_file_bytes)
+            if data is None:
+                return None
+            block = self._decode(key, data)
+        except ValueError as e:  # not a regular file, or not a valid block of this model
+            self._damaged(name, e)
+            return None
+        except OSError as e:
+            self._io_warning("read", e)
             return None
         try:
-            arrays, meta = mx.load(str(path), return_metadata=True)
-            block = self._validate(key, arrays, meta)
-        except Exception as e:  # a truncated or foreign file: never use it
-            block, reason = None, f"{type(e).__name__}: {e}"
-        else:
-            reason = "" if block else "its content does not match its key"
-        if block is None:
-            self.skipped += 1
-            log.warning("prefix cache: skipped %s (%s)", path.name, reason)
-            return None
-        _touch(path)
+            self.files.touch(name)
+        except OSError as e:  # a read-only cache still serves its blocks
+            self._io_warning("mark as used an entry of", e)
         return block
 
-    def _validate(self, key: bytes, arrays: dict, meta: dict) -> Block | None:
-        if meta.get("format") != FORMAT or meta.get("model") != self.model:
-            return None
-        tokens = tuple(orjson.loads(meta["tokens"]))
-        parent = bytes.fromhex(meta["parent"])
-        if len(tokens) != self.block_size or int(meta["block_size"]) != self.block_size:
-            return None
-        if _chain(parent, tokens) != key or meta.get("checksum") != _checksum(arrays):
-            return None
-        layers = int(meta["layers"])
-        keys = [arrays[f"k.{i}"] for i in range(layers)]
-        values = [arrays[f"v.{i}"] for i in range(layers)]
-        if any(a.shape[2] != self.block_size for a in keys + values):
-            return None
-        return Block(key, parent, tokens, keys, values)
+    def stored_keys(self) -> list[bytes]:
+        """Keys of the stored blocks, least recently used first (unverified: `load` checks)."""
+        try:
+            files = self._entries()
+        except OSError as e:
+            self._io_warning("list", e)
+            return []
+        return [bytes.fromhex(k) for k in sorted(files, key=lambda k: files[k].st_mtime)]
 
-    # -- writing ---------------------------------------------------------------------------
+    def _decode(self, key: bytes, data: bytes) -> Block:
+        arrays, meta = blockfile.decode(data, self.expected)
+        if any(meta.get(k) != v for k, v in self._meta.items()):
+            raise blockfile.BlockFormatError("written for another model or layout")
+        try:
+            tokens = orjson.loads(meta.get("tokens", ""))
+            parent = bytes.fromhex(meta.get("parent", ""))
+        except ValueError:
+            raise blockfile.BlockFormatError("tokens or parent unreadable") from None
+        if not (isinstance(tokens, list) and len(tokens) == self.block_size
+                and all(type(t) is int and 0 <= t < 2**32 for t in tokens)):
+            raise blockfile.BlockFormatError("bad tokens")
+        if len(parent) != len(key) or _chain(parent, tuple(tokens)) != key:
+            raise blockfile.BlockFormatError("its tokens do not hash to its key")
+        layers = range(self.layout.layers)
+        return Block(key, parent, tuple(tokens), [arrays[f"k.{i}"] for i in layers],
+                     [arrays[f"v.{i}"] for i in layers])
+
+    def _damaged(self, name: str, reason: Exception) -> None:
+        self.skipped += 1
+        try:
+            self.files.remove(name)
+        except OSError as e:
+            self._io_warning("remove a damaged entry from", e)
+        if "damaged" not in self._warned:
+            self._warned.add("damaged")
+            log.warning("prefix cache: removing damaged entries from %s (first: %s); they are "
+                        "recomputed, saved again, and counted as disk_skipped in the cache "
+                        "stats", self.folder, reason)
+
+    # -- writing -------------------------------------------------------------------------------
 
     def save(self, blocks: list[Block]) -> None:
-        """Write new blocks (atomically), record them in the index, evict past the cap."""
+        """Write blocks (replacing any entry of the same key), record them in the index, evict
+        past the cap."""
         written = {}
         for block in blocks:
-            path = self.path(block.key)
-            if path.exists():
+            data = self._encode(block)
+            if data is None:
                 continue
-            arrays = {f"k.{i}": k for i, k in enumerate(block.keys)}
-            arrays |= {f"v.{i}": v for i, v in enumerate(block.values)}
-            meta = {"format": FORMAT, "model": self.model, "parent": block.parent.hex(),
-                    "tokens": orjson.dumps(list(block.tokens)).decode(),
-                    "block_size": str(self.block_size), "layers": str(len(block.keys)),
-                    "checksum": _checksum(arrays)}
-            # mx.save_safetensors insists on the suffix; the leading dot hides it from globs.
-            tmp = path.with_name(f".{block.key.hex()}.{os.getpid()}.tmp.safetensors")
             try:
-                mx.save_safetensors(str(tmp), arrays, metadata=meta)
-                os.replace(tmp, path)
+                self.files.write(_file_name(block.key), data)
             except OSError as e:  # a full or read-only cache never stops a job
-                tmp.unlink(missing_ok=True)
-                log.warning("prefix cache: could not write %s: %s", path.name, e)
-                return
-            written[block.key.hex()] = {"bytes": path.stat().st_size,
-                                        "tokens": self.block_size, "used": time.time()}
+                self._io_warning("write to", e)
+                continue
+            written[block.key.hex()] = {"bytes": len(data), "tokens": self.block_size,
+                                        "used": time.time()}
             self.saved += 1
         if written:
-            try:
-                with self._locked_index() as index:
-                    index.update(written)
-                    self._evict(index)
-            except OSError as e:
-                log.warning("prefix cache: could not update the index: %s", e)
+            self._update_index(written)
 
-    def _evict(self, index: dict) -> None:
-        total = sum(e["bytes"] for e in index.values())
-        for key in sorted(index, key=lambda k: self._last_use(k, index[k])):
+    def _encode(self, block: Block) -> bytes | None:
+        tensors = block.keys + block.values
+        shape, dtype = self.layout.shape(self.block_size), DTYPES[self.layout.dtype]
+        if len(tensors) != len(self.expected) or len(block.tokens) != self.block_size \
+                or any(a.shape != shape or a.dtype != dtype for a in tensors):
+            if "layout" not in self._warned:  # the engine's blocks are not what we measured
+                self._warned.add("layout")
+                log.warning("prefix cache: blocks do not match the model's KV layout %s; they "
+                            "are kept in memory only", self.layout)
+            return None
+        meta = {**self._meta, "parent": block.parent.hex(),
+                "tokens": orjson.dumps(list(block.tokens)).decode()}
+        return blockfile.encode(dict(zip(self.expected, tensors, strict=True)), meta)
+
+    def _update_index(self, written: dict[str, dict]) -> None:
+        try:
+            with self.files.locked(LOCK):
+                files = self._entries()
+                index = self._read_index(files)
+                index.update((k, v) for k, v in written.items() if k in files)
+                self._evict(index, files)
+                self.files.write(INDEX, orjson.dumps(index))
+        except OSError as e:
+            self._io_warning("update the index in", e)
+        except NotRegularFile as e:
+            self._io_warning("lock the index in", e)
+
+    def _evict(self, index: dict[str, dict], files: dict[str, os.stat_result]) -> None:
+        total = sum(files[k].st_size for k in index)
+        for key in sorted(index, key=lambda k: max(index[k]["used"], files[k].st_mtime)):
             if total <= self.cap_bytes:
                 break
-            total -= index.pop(key)["bytes"]
-            self.path(bytes.fromhex(key)).unlink(missing_ok=True)
+            try:
+                self.files.remove(key + SUFFIX)
+            except OSError as e:
+                self._io_warning("evict an entry from", e)
+                continue
+            total -= files[key].st_size
+            del index[key]
 
-    def _last_use(self, key: str, entry: dict) -> float:
-        try:  # loads touch the file; the index keeps the time of the write
-            return max(entry["used"], self.path(bytes.fromhex(key)).stat().st_mtime)
-        except OSError:
-            return 0.0
+    def _entries(self) -> dict[str, os.stat_result]:
+        """The regular files named like a block entry, by key (hex)."""
+        return {name[: -len(SUFFIX)]: st for name, st in self.files.entries().items()
+                if _ENTRY.fullmatch(name)}
 
-    @contextlib.contextmanager
-    def _locked_index(self):
-        with open(self.folder / "index.lock", "a+b") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            index = self._read_index()
-            yield index
-            write_atomic(self.folder / "index.json", orjson.dumps(index))
-
-    def _read_index(self) -> dict:
+    def _read_index(self, files: dict[str, os.stat_result]) -> dict[str, dict]:
+        """The index entry of every block file: from index.json where it holds a well-formed
+        one, else from the file itself."""
         try:
-            index = orjson.loads((self.folder / "index.json").read_bytes())
-            if isinstance(index, dict):
-                return {k: v for k, v in index.items() if self.path(bytes.fromhex(k)).exists()}
-        except (OSError, ValueError):
-            pass
-        return self._rebuild_index()
+            index = orjson.loads(self.files.read(INDEX, MAX_INDEX_BYTES) or b"{}")
+        except NotRegularFile:  # a link, FIFO or folder: out of the way of the new index
+            self.files.remove(INDEX)
+            index = None
+        except ValueError:  # not JSON
+            index = None
+        if not isinstance(index, dict):
+            index = {}
+            self._index_rebuilt()
+        out = {}
+        for key, st in files.items():
+            entry = index.get(key)
+            if entry is not None and not _good_entry(entry):
+                entry = None
+                self._index_rebuilt()
+            out[key] = entry or {"bytes": st.st_size, "tokens": self.block_size,
+                                 "used": st.st_mtime}
+        return out
 
-    def _rebuild_index(self) -> dict:
-        return {p.stem: {"bytes": p.stat().st_size, "tokens": self.block_size,
-                         "used": p.stat().st_mtime}
-                for p in entry_files(self.folder)}
+    def _index_rebuilt(self) -> None:
+        if "index" not in self._warned:
+            self._warned.add("index")
+            log.warning("prefix cache: the index in %s was malformed; rebuilt from its files",
+                        self.folder)
+
+    def _io_warning(self, action: str, e: Exception) -> None:
+        kind = errno.errorcode.get(getattr(e, "errno", None) or 0, type(e).__name__)
+        if kind not in self._warned:
+            self._warned.add(kind)
+            log.warning("prefix cache: could not %s %s (%s); the job goes on without it",
+                        action, self.folder, _why(e))
 
 
-def entry_files(folder: Path) -> list[Path]:
-    """The block files of a model folder (not temporary files of writes in progress)."""
-    return [p for p in folder.glob("*.safetensors") if not p.name.startswith(".")]
+def _good_entry(entry: object) -> bool:
+    return isinstance(entry, dict) and all(
+        type(entry.get(field)) in types
+        for field, types in (("bytes", (int,)), ("tokens", (int,)), ("used", (int, float))))
+
+
+def _tensor_names(layers: int) -> list[str]:
+    return [f"k.{i}" for i in range(layers)] + [f"v.{i}" for i in range(layers)]
+
+
+def _file_name(key: bytes) -> str:
+    return key.hex() + SUFFIX
 
 
 def _chain(parent: bytes, tokens: tuple[int, ...]) -> bytes:
@@ -179,18 +299,59 @@ def _chain(parent: bytes, tokens: tuple[int, ...]) -> bytes:
     return block_keys(list(tokens), len(tokens), parent)[0]
 
 
-def _touch(path: Path) -> None:
-    with contextlib.suppress(OSError):  # another process may have evicted it meanwhile
-        os.utime(path)
+def _same_folder(a: Path, b: Path) -> bool:
+    return os.path.abspath(a) == os.path.abspath(b)
 
+
+def _root_problem(root: Path) -> str | None:
+    """Why an existing default cache folder is unsafe to use, or None."""
+    try:
+        return sharing_problem(os.stat(root))
+    except FileNotFoundError:
+        return None  # created private
+
+
+def _why(e: Exception) -> str:
+    return getattr(e, "strerror", None) or str(e) or type(e).__name__
+
+
+# -- the `batchrun cache` commands -------------------------------------------------------------
 
 def cache_summary(cache_dir: Path) -> list[dict]:
-    """One entry per model folder under `cache_dir/prefix`: blocks, bytes, last use."""
+    """One entry per model folder under `cache_dir/prefix`: blocks, bytes, last use. Counts
+    regular block files only; links, FIFOs and unreadable folders are left out, never followed."""
     out = []
-    for folder in sorted((Path(cache_dir) / "prefix").glob("*")):
-        files = entry_files(folder)
+    prefix = Path(cache_dir) / "prefix"
+    try:
+        if not stat.S_ISDIR(prefix.lstat().st_mode):  # a link or a file: not ours to list
+            return []
+        with os.scandir(prefix) as it:
+            folders = sorted((e for e in it if e.is_dir(follow_symlinks=False)),
+                             key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as e:
+        log.warning("prefix cache: cannot list %s (%s)", prefix, _why(e))
+        return []
+    for folder in folders:
+        files = _regular_entries(Path(folder.path))
         out.append({"model": folder.name, "blocks": len(files),
-                    "bytes": sum(f.stat().st_size for f in files),
-                    "last_used": max((f.stat().st_mtime for f in files), default=None),
-                    "folder": str(folder)})
+                    "bytes": sum(st.st_size for st in files),
+                    "last_used": max((st.st_mtime for st in files), default=None),
+                    "folder": folder.path})
     return out
+
+
+def _regular_entries(folder: Path) -> list[os.stat_result]:
+    found = []
+    try:
+        with os.scandir(folder) as it:
+            for e in it:
+                try:
+                    if _ENTRY.fullmatch(e.name) and e.is_file(follow_symlinks=False):
+                        found.append(e.stat(follow_symlinks=False))
+                except OSError:  # removed while we listed: not an entry any more
+                    continue
+    except OSError as e:
+        log.warning("prefix cache: cannot list %s (%s)", folder, _why(e))
+    return found

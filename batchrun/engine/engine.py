@@ -26,8 +26,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from batchrun.cache import make_prefix_cache
-from batchrun.cache.disk import DiskCache, entry_files
+from batchrun.cache import block_layout, make_prefix_cache
+from batchrun.cache.disk import DiskCache
 from batchrun.cache.prefix import Block, PrefixCache
 from batchrun.engine.batch import LeanGenerationBatch
 from batchrun.engine.choices import choice_logprobs, pick
@@ -169,7 +169,7 @@ class Engine(StepLoop):
             engine.memory.budget -= share  # the cached blocks live in the same memory
             engine.prefix_cache = make_prefix_cache(
                 loaded.fingerprint, share, Path(config.cache_dir) if config.cache_dir else None,
-                config.prefix_block_size)
+                config.prefix_block_size, layout=block_layout(engine.model))
         return engine
 
     # -- the seed's cache API ------------------------------------------------------------------
@@ -196,8 +196,12 @@ class Engine(StepLoop):
         cache = self.prefix_cache
         if cache is None:
             return 0
-        disk = DiskCache(Path(cache_dir), self.model_fingerprint, cache.block_size)
+        disk = DiskCache.open(Path(cache_dir), self.model_fingerprint, cache.block_size,
+                              block_layout(self.model))
+        if disk is None:
+            return 0
         disk.save(list(cache.blocks.values()))
+        disk.close()
         return disk.saved
 
     def load_cache_from_disk(self, cache_dir: str | Path) -> int:
@@ -205,13 +209,17 @@ class Engine(StepLoop):
         cache = self.prefix_cache
         if cache is None:
             return 0
-        disk = DiskCache(Path(cache_dir), self.model_fingerprint, cache.block_size)
+        disk = DiskCache.open(Path(cache_dir), self.model_fingerprint, cache.block_size,
+                              block_layout(self.model))
+        if disk is None:
+            return 0
         loaded = 0
-        for path in sorted(entry_files(disk.folder), key=lambda p: p.stat().st_mtime):
-            block = disk.load(bytes.fromhex(path.stem))
+        for key in disk.stored_keys():  # least recently used first: the newest end up most recent
+            block = disk.load(key)
             if block is not None:
                 cache.put(block)
                 loaded += 1
+        disk.close()
         return loaded
 
     # -- adding work ---------------------------------------------------------------------------

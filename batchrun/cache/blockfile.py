@@ -1,0 +1,111 @@
+"""A prefix block's bytes on disk: the safetensors format, written and parsed in memory.
+
+The file is an 8-byte little-endian header length, a JSON header (each tensor's dtype, shape and
+byte range, plus string `__metadata__`), then the tensors' bytes. The metadata carries a checksum
+of everything else: the other metadata, the tensor table and the tensor bytes.
+
+`decode` trusts nothing: it raises `BlockFormatError` (a ValueError) unless the file holds
+exactly the tensors the caller expects, with their shapes and dtype, tiling the data section,
+and the checksum matches; only then are arrays built. Parsing from bytes the caller already read
+means the file checked is the file used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import mlx.core as mx
+import numpy as np
+import orjson
+
+from batchrun.cache.layout import DTYPES
+
+_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class BlockFormatError(ValueError):
+    """The bytes are not a whole, self-consistent block file of the expected layout."""
+
+
+def encode(arrays: dict[str, mx.array], meta: dict[str, str]) -> bytes:
+    """The file for `arrays` (in the given order) and `meta`, with its checksum added."""
+    table, chunks, offset = {}, [], 0
+    for name, a in arrays.items():
+        raw = memoryview(mx.view(a, mx.uint8)).tobytes()
+        table[name] = {"dtype": _NAMES[a.dtype], "shape": list(a.shape),
+                       "data_offsets": [offset, offset + len(raw)]}
+        chunks.append(raw)
+        offset += len(raw)
+    body = b"".join(chunks)
+    meta = {**meta, "checksum": _checksum(meta, table, body)}
+    header = orjson.dumps({"__metadata__": meta, **table})
+    header += b" " * (-len(header) % 8)  # tensors start 8-byte aligned, as safetensors does
+    return len(header).to_bytes(8, "little") + header + body
+
+
+def decode(data: bytes, expect: dict[str, tuple[tuple[int, ...], str]]
+           ) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """The arrays and metadata of a block file holding exactly the tensors `expect` names, each
+    with the given (shape, dtype); raises BlockFormatError otherwise."""
+    if len(data) < 8:
+        raise BlockFormatError("shorter than its header length")
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        raise BlockFormatError("truncated header")
+    try:
+        header = orjson.loads(data[8: 8 + n])
+    except orjson.JSONDecodeError as e:
+        raise BlockFormatError("header is not JSON") from e
+    if not isinstance(header, dict):
+        raise BlockFormatError("header is not a JSON object")
+    meta = header.pop("__metadata__", None)
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise BlockFormatError("metadata missing or not strings")
+    body = memoryview(data)[8 + n:]
+    _check_table(header, expect, len(body))
+    stored = dict(meta)
+    if stored.pop("checksum", None) != _checksum(stored, header, body):
+        raise BlockFormatError("checksum mismatch")
+    arrays = {}
+    for name, entry in header.items():
+        start, end = entry["data_offsets"]
+        raw = mx.array(np.frombuffer(body[start:end], dtype=np.uint8))
+        arrays[name] = mx.view(raw, DTYPES[entry["dtype"]]).reshape(entry["shape"])
+    mx.eval(arrays)
+    return arrays, meta
+
+
+def _check_table(table: dict, expect: dict[str, tuple[tuple[int, ...], str]],
+                 body_bytes: int) -> None:
+    if set(table) != set(expect):
+        raise BlockFormatError("tensors other than the expected ones")
+    ranges = []
+    for name, (shape, dtype) in expect.items():
+        entry = table[name]
+        if not isinstance(entry, dict) or entry.get("dtype") != dtype \
+                or not _ints(entry.get("shape")) or entry["shape"] != list(shape):
+            raise BlockFormatError(f"{name}: not {dtype} of shape {shape}")
+        offsets = entry.get("data_offsets")
+        if not (_ints(offsets) and len(offsets) == 2):
+            raise BlockFormatError(f"{name}: bad data offsets")
+        if offsets[1] - offsets[0] != math.prod(shape) * DTYPES[dtype].size:
+            raise BlockFormatError(f"{name}: byte range does not fit its shape")
+        ranges.append(offsets)
+    ranges.sort()
+    ends = [0] + [end for _, end in ranges]
+    if [start for start, _ in ranges] != ends[:-1] or ends[-1] != body_bytes:
+        raise BlockFormatError("tensor byte ranges do not tile the data section")
+
+
+def _ints(value: object) -> bool:
+    # JSON's 4.0 and true compare equal to 4 and 1 in Python: insist on real integers.
+    return isinstance(value, list) and all(type(x) is int for x in value)
+
+
+def _checksum(meta: dict, table: dict, body: bytes | memoryview) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(orjson.dumps(meta, option=orjson.OPT_SORT_KEYS))
+    h.update(orjson.dumps(table, option=orjson.OPT_SORT_KEYS))
+    h.update(body)
+    return h.hexdigest()
