@@ -15,6 +15,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from batchrun.cache import make_prefix_cache
+from batchrun.cache.layout import block_layout
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import EngineConfig, SamplingParams
 from batchrun.models import LoadedModel, load_model
@@ -108,7 +109,8 @@ def run_batchrun(lm: LoadedModel, w: Workload, concurrency: int, cache_dir: Path
     """batchrun's engine; with `cache_dir`, a prefix cache backed by that folder."""
     cache = None
     if cache_dir is not None:
-        cache = make_prefix_cache(lm.fingerprint, 1 << 30, cache_dir)
+        cache = make_prefix_cache(lm.fingerprint, 1 << 30, cache_dir,
+                                  layout=block_layout(lm.model))
     engine = Engine(lm.model, lm.tokenizer, EngineConfig(max_concurrency=concurrency),
                     lm.context_length, prefix_cache=cache, model_fingerprint=lm.fingerprint)
     start = time.perf_counter()

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from batchrun.cli import cli
 from batchrun.engine.prompt import PromptBuilder
 from batchrun.io.jsonl import read_jsonl
-from batchrun.job.sink import OrderedSink
 from batchrun.job.rows import RowError, RowOptions, Task, build_task
+from batchrun.job.sink import OrderedSink
 
 ROOT = Path(__file__).resolve().parents[1]
 

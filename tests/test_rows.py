@@ -5,8 +5,8 @@ import pytest
 from batchrun.engine.prompt import PromptBuilder
 from batchrun.engine.request import FinishReason, Output, SamplingParams
 from batchrun.io.jsonl import read_jsonl
-from batchrun.job.sink import OrderedSink, Record
 from batchrun.job.rows import RowError, RowOptions, Task, build_task
+from batchrun.job.sink import OrderedSink, Record
 from batchrun.job.state import Progress
 
 
