@@ -218,7 +218,9 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
     if cache_stats and (cache_stats["hits"] or cache_stats["stored_blocks"]):
         click.echo(f"prefix cache: {cache_stats['hit_tokens']:,} prompt tokens reused "
                    f"({cache_stats['hits']:,} hits, {cache_stats['misses']:,} misses, "
-                   f"{cache_stats['disk_loaded_blocks']:,} blocks from disk)", err=True)
+                   f"{cache_stats['disk_loaded_blocks']:,} blocks from disk"
+                   + (f", {cache_stats['disk_skipped']:,} damaged entries removed"
+                      if cache_stats["disk_skipped"] else "") + ")", err=True)
 
 
 def _local_runner(spec, opts: dict, config: EngineConfig, constraint, debug: bool):
