@@ -38,7 +38,6 @@ from batchrun.job.runner import (
     JobRunner,
     JobSpec,
     RowWork,
-    read_rows,
 )
 
 SLICE_ROWS = 64  # rows per slice
@@ -345,10 +344,10 @@ class RayJobRunner(JobRunner):
             commit()
 
     def _slices(self, start: int, sink, bar):
-        """Slices of rows from `start` on; duplicate ids are caught here, where every row is
-        seen, and written as errors at once."""
+        """Slices of the rows from `start` on that have no record yet; duplicate ids are caught
+        here, where every row is seen, and written as errors at once."""
         rows: list[RawRow] = []
-        for raw in read_rows(self.spec.input, start):
+        for raw in self.pending_rows(start):
             if raw.error is None:
                 duplicate = self._check_id(raw)
                 if duplicate is not None:
