@@ -11,13 +11,16 @@ import os
 import sys
 import tomllib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from click.core import ParameterSource
 
 import batchrun
-from batchrun.cache.disk import default_cache_dir
-from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.paths import default_cache_dir
+
+if TYPE_CHECKING:
+    from batchrun.engine.request import EngineConfig
 
 # Job-file keys (TOML) and the `run` parameters they set; paths are relative to the job file.
 JOB_FILE_KEYS = ("input", "model", "output", "job_dir", "max_concurrency", "max_tokens",
@@ -131,6 +134,7 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
 
     Re-running the same command resumes the job where it stopped.
     """
+    from batchrun.engine.request import EngineConfig, SamplingParams
     from batchrun.job.rows import RowOptions
     from batchrun.job.runner import (
         Interrupted,

@@ -83,3 +83,15 @@ def test_python_dash_m_batchrun_works():
     out = subprocess.run([sys.executable, "-m", "batchrun", "--version"], capture_output=True,
                          text=True, check=True)
     assert "batchrun" in out.stdout
+
+
+def test_the_command_line_starts_without_loading_mlx():
+    """`batchrun --help` (and every usage error) answers at once: no model stack imported."""
+    import subprocess
+    import sys
+
+    code = ("import sys, batchrun.cli; heavy = [m for m in ('mlx.core', 'mlx_lm', 'pyarrow', "
+            "'transformers') if m in sys.modules]; print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"

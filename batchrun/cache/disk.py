@@ -42,6 +42,7 @@ from batchrun.cache import blockfile
 from batchrun.cache.folder import NotRegularFile, PrivateFolder, sharing_problem
 from batchrun.cache.layout import DTYPES, BlockLayout
 from batchrun.cache.prefix import Block, block_keys
+from batchrun.paths import default_cache_dir, home_cache_dir  # noqa: F401  (re-exported)
 
 log = logging.getLogger("batchrun.cache")
 FORMAT = "batchrun-prefix-2"
@@ -50,15 +51,6 @@ SUFFIX = ".safetensors"
 INDEX, LOCK = "index.json", "index.lock"
 MAX_INDEX_BYTES = 64 * 2**20
 _ENTRY = re.compile(r"[0-9a-f]{32}\.safetensors")
-
-
-def home_cache_dir() -> Path:
-    """The cache folder used when the user names none (no --cache-dir, no $BATCHRUN_CACHE_DIR)."""
-    return Path.home() / ".cache" / "batchrun"
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("BATCHRUN_CACHE_DIR") or home_cache_dir())
 
 
 class DiskCache:

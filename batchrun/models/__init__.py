@@ -33,9 +33,9 @@ def resolve(model: str | None) -> str:
             return str(DEMO_MODEL)
         # Installed without the repo: rebuild the (deterministic) demo model once.
         from batchrun.models.build import build
+        from batchrun.paths import default_cache_dir
 
-        cache = Path(os.environ.get("BATCHRUN_CACHE_DIR", Path.home() / ".cache" / "batchrun"))
-        target = cache / "demo-model"
+        target = default_cache_dir() / "demo-model"
         if not (target / "config.json").exists():
             build(target)
         return str(target)
