@@ -537,15 +537,11 @@ def cache_clear(cache_dir: Path | None, yes: bool) -> None:
 
 
 def _load_engine(model: str | None, config: EngineConfig, debug: bool, vision: bool = False):
-    from batchrun.engine.engine import Engine
-    from batchrun.models import ModelError, is_vision_config, read_config, resolve
+    from batchrun.api import load_engine
+    from batchrun.models import ModelError
 
     try:
-        if vision or is_vision_config(read_config(resolve(model))):
-            from batchrun.engine.vision import VisionEngine
-
-            return VisionEngine.load(model, config)
-        return Engine.load(model, config)
+        return load_engine(model, config, vision or None)
     except ModelError as e:
         if debug:
             raise

@@ -95,6 +95,36 @@ class StepLoop:
             outputs.extend(self.step())
         return sorted(outputs, key=lambda o: o.request_id)
 
+    def add_request(self, prompt: str | list[int] | None = None,
+                    params: SamplingParams | None = None, *, messages: list[dict] | None = None,
+                    tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+                    enable_thinking: bool | None = None) -> int:
+        """Queue a request (token ids, a raw prompt, or chat messages); returns its id."""
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of prompt (text or token ids) and messages")
+        if messages is not None:
+            ids = self.prompts.encode_chat(messages, tools=tools, enable_thinking=enable_thinking,
+                                           chat_template_kwargs=chat_template_kwargs)
+        elif isinstance(prompt, str):
+            ids = self.prompts.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        return self.add_tokens(ids, params or SamplingParams())
+
+    def generate(self, prompts: list[str | list[int] | list[dict]],
+                 params: SamplingParams | None = None, **sampling) -> list[Output]:
+        """Run prompts to the end: each a text, token ids, or a chat (a list of messages).
+        Sampling comes from `params` or keyword arguments (max_tokens=8, temperature=0.7...).
+        Returns one Output per prompt, in order."""
+        if params is None:
+            params = SamplingParams(**sampling)
+        elif sampling:
+            raise ValueError("give sampling as params or as keyword arguments, not both")
+        ids = [self.add_request(messages=p, params=params) if _is_chat(p)
+               else self.add_request(p, params) for p in prompts]
+        done = {o.request_id: o for o in self.run()}
+        return [done[i] for i in ids]
+
     def sample_timeline(self, force: bool = False) -> None:
         """Record (time, prompt tokens, generated tokens, running) every interval, or now."""
         t = time.perf_counter() - self._started
@@ -156,11 +186,13 @@ class Engine(StepLoop):
         return gen
 
     @classmethod
-    def load(cls, model_path: str, config: EngineConfig | None = None) -> Engine:
+    def load(cls, model: str | None = None, config: EngineConfig | None = None,
+             **engine_options) -> Engine:
+        """Load a text model (None: the demo model); options as EngineConfig's fields."""
         from batchrun.models import load_model
 
-        loaded = load_model(model_path)
-        config = config or EngineConfig()
+        loaded = load_model(model)
+        config = config or EngineConfig(**engine_options)
         engine = cls(loaded.model, loaded.tokenizer, config, loaded.context_length, loaded.path,
                      model_fingerprint=loaded.fingerprint)
         if config.prefix_cache and engine.memory.footprint.per_sequence == 0:
@@ -223,28 +255,6 @@ class Engine(StepLoop):
         return loaded
 
     # -- adding work ---------------------------------------------------------------------------
-
-    def add_request(
-        self,
-        prompt: str | list[int] | None = None,
-        params: SamplingParams | None = None,
-        *,
-        messages: list[dict] | None = None,
-        tools: list[dict] | None = None,
-        chat_template_kwargs: dict | None = None,
-        enable_thinking: bool | None = None,
-    ) -> int:
-        """Queue a request (token ids, a raw prompt, or chat messages); returns its id."""
-        if (prompt is None) == (messages is None):
-            raise ValueError("give exactly one of prompt (text or token ids) and messages")
-        if messages is not None:
-            ids = self.prompts.encode_chat(messages, tools=tools, enable_thinking=enable_thinking,
-                                           chat_template_kwargs=chat_template_kwargs)
-        elif isinstance(prompt, str):
-            ids = self.prompts.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        return self.add_tokens(ids, params or SamplingParams())
 
     @property
     def grammars(self) -> Grammars:
@@ -356,12 +366,6 @@ class Engine(StepLoop):
         self.stats.requests_finished += len(finished)
         return finished
 
-
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None
-                 ) -> list[Output]:
-        for p in prompts:
-            self.add_request(p, params)
-        return self.run()
 
     def _recover(self, error: Exception) -> None:
         """Restart the running rows on a fresh generator: in halves, or at lower concurrency."""
@@ -613,6 +617,10 @@ class Engine(StepLoop):
 
     def close(self) -> None:
         self._gen.close()
+
+
+def _is_chat(prompt: object) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
 
 
 def _out_of_memory(error: Exception) -> bool:

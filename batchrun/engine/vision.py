@@ -204,10 +204,13 @@ class VisionEngine(StepLoop):
         self._gen = self._new_generator()
 
     @classmethod
-    def load(cls, model_path: str | None, config: EngineConfig | None = None) -> VisionEngine:
+    def load(cls, model: str | None = None, config: EngineConfig | None = None,
+             **engine_options) -> VisionEngine:
+        """Load a vision-language model; options as EngineConfig's fields."""
         from batchrun.models import load_vision_model
 
-        loaded = load_vision_model(model_path)
+        config = config or EngineConfig(**engine_options)
+        loaded = load_vision_model(model)
         return cls(loaded.model, loaded.tokenizer, config, loaded.context_length, loaded.path,
                    loaded.fingerprint)
 
