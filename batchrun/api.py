@@ -8,6 +8,10 @@ with the command line's job folder, resume and exactly-once output.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from batchrun.engine.request import EngineConfig
@@ -41,3 +45,220 @@ def load_engine(model: str | None, config: EngineConfig, vision: bool | None = N
     from batchrun.engine.engine import Engine as TextEngine
 
     return TextEngine.load(model, config)
+
+
+class UsageError(ValueError):
+    """An option that cannot work (the command line's exit 2); the message names it."""
+
+
+@dataclass(slots=True)
+class RunOptions:
+    """The `run` command's options, under the same names (`--max-tokens` is max_tokens)."""
+
+    model: str | None = None
+    output: Path | None = None
+    job_dir: Path | None = None
+    max_concurrency: int | None = None
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    json_schema: Path | None = None
+    choices: str | list[str] | None = None
+    regex: str | None = None
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+    image_column: str | None = None
+    vision: bool = False
+    system: str | None = None
+    prompt_template: str | None = None
+    id_column: str | None = None
+    memory_utilization: float = 0.85
+    prefill_batch_size: int = 8
+    prefill_step_size: int = 2048
+    cache_dir: Path | None = None
+    no_prefix_cache: bool = False
+    restart: bool = False
+    quiet: bool = True
+    ray_address: str | None = None
+    ray_actors: int = 2
+    ray_num_cpus: float = 1.0
+    ray_num_gpus: float = 0.0
+    ray_slice_rows: int = 64
+
+
+class Job:
+    """A batch job over an input file, with the command line's job folder: resumable, every
+    row exactly once, results in input order.
+
+        job = batchrun.Job("reviews.parquet", job_dir="jobs/x", choices=["pos", "neg"])
+        report = job.run()
+        for record in job.results(): ...
+    """
+
+    def __init__(self, input: str | Path, **options):
+        try:
+            self.options = RunOptions(**options)
+        except TypeError:
+            known = ", ".join(f.name for f in dataclasses.fields(RunOptions))
+            unknown = sorted(set(options) - {f.name for f in dataclasses.fields(RunOptions)})
+            raise UsageError(f"unknown options {', '.join(unknown)}; known: {known}") from None
+        self.input = Path(input)
+        self.spec, self.config, self.constraint = _plan(self.input, self.options)
+        self.runner = None
+        self.report: dict | None = None
+
+    @property
+    def engine(self):
+        return self.runner.engine if self.runner is not None else None
+
+    def check(self) -> None:
+        """Refuse, before the model loads, an output or job folder this job may not use
+        (JobError / JobConflict from batchrun.job.runner)."""
+        from batchrun.job.runner import check_paths
+
+        check_paths(self.spec)
+
+    def prepare(self) -> None:
+        """Check the paths and load the model (or start the Ray runner)."""
+        self.check()
+        if self.runner is None:
+            self.runner = (_ray_runner if self.options.ray_address else _local_runner)(self)
+
+    def run(self) -> dict:
+        """Process every pending row; returns report.json's content. Raises
+        batchrun.job.runner.Interrupted after Ctrl-C (progress kept)."""
+        self.prepare()
+        self.report = self.runner.run()
+        return self.report
+
+    def results(self) -> Iterator[dict]:
+        """Every row's record in input order: its result, or its error record."""
+        from batchrun.job.recovery import ordered_records
+
+        yield from ordered_records(self.spec.results_path, self.spec.errors_path)
+
+    def status(self) -> dict:
+        """Progress so far: report.json's figures (rows done / failed / pending, throughput),
+        and whether a process is running the job now."""
+        from batchrun.job.state import JobLock, read_json
+
+        report = read_json(self.spec.job_dir / "report.json") or {}
+        lock = JobLock(self.spec.job_dir)
+        running = self.spec.job_dir.is_dir() and not lock.acquire()
+        if not running and lock._fd is not None:
+            lock.release()
+        return {**report, "running": running}
+
+
+def _plan(input_path: Path, o: RunOptions):
+    """The job's spec, engine config and constraint from its options (UsageError if bad)."""
+    from batchrun.engine.request import SamplingParams
+    from batchrun.job.rows import RowOptions
+    from batchrun.job.runner import JobSpec, default_job_dir
+    from batchrun.paths import default_cache_dir
+
+    if not input_path.is_file():
+        raise UsageError(f"input file not found: {input_path}")
+    if o.prompt_template is not None and not o.prompt_template.strip():
+        raise UsageError("--prompt-template must not be empty")
+    constraint = _constraint(o)
+    try:
+        defaults = SamplingParams(
+            max_tokens=o.max_tokens, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
+            min_p=o.min_p, seed=o.seed, stop=tuple(o.stop),
+            logprobs=bool(o.logprobs or o.top_logprobs), top_logprobs=o.top_logprobs,
+            constraint=constraint)
+        config = EngineConfig(max_concurrency=o.max_concurrency,
+                              prefill_batch_size=o.prefill_batch_size,
+                              prefill_step_size=o.prefill_step_size,
+                              memory_utilization=o.memory_utilization,
+                              prefix_cache=not o.no_prefix_cache,
+                              cache_dir=str(o.cache_dir or default_cache_dir()))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    job_dir = Path(o.job_dir) if o.job_dir else default_job_dir(input_path)
+    output = Path(o.output) if o.output else job_dir / "results.jsonl"
+    rows = RowOptions(defaults, o.system, o.prompt_template, o.id_column, o.n,
+                      image_column=o.image_column)
+    spec = JobSpec(input_path, job_dir, output, o.model, rows, restart=o.restart, quiet=o.quiet)
+    return spec, config, constraint
+
+
+def _constraint(o: RunOptions):
+    """The job-wide constraint from json_schema, choices or regex (at most one)."""
+    from batchrun.engine.constrain import Constraint, ConstraintError
+
+    given = [f"--{name.replace('_', '-')}" for name in ("json_schema", "choices", "regex")
+             if getattr(o, name) is not None]
+    if len(given) > 1:
+        raise UsageError(f"give at most one of {', '.join(given)}")
+    try:
+        if o.json_schema is not None:
+            path = Path(o.json_schema)
+            if not path.is_file():
+                raise UsageError(f"--json-schema: file not found: {path}")
+            return Constraint.json_schema(path.read_text())
+        if o.choices is not None:
+            choices = o.choices
+            if isinstance(choices, str):
+                choices = [c.strip() for c in choices.split(",")]
+            return Constraint.choices(list(choices))
+        if o.regex is not None:
+            return Constraint.regex(o.regex)
+    except ConstraintError as e:
+        raise UsageError(f"{given[0]}: {e}") from None
+    return None
+
+
+def _local_runner(job: Job):
+    """The job runner with the model loaded in this process (a text or a vision engine)."""
+    from batchrun.job.runner import JobRunner
+
+    o, spec = job.options, job.spec
+    engine = load_engine(o.model, job.config, o.vision or None)
+    if hasattr(engine.prompts, "prepare"):  # a vision model: rows may carry images
+        from batchrun.io.media import ImageCache
+
+        spec.rows.images = ImageCache()
+    elif o.image_column:
+        raise UsageError("--image-column needs a vision model (pass --model with one, or "
+                         "--vision to force the vision path)")
+    if job.constraint is not None:
+        from batchrun.engine.constrain import ConstraintError
+
+        try:
+            engine.check_constraint(job.constraint)
+        except ConstraintError as e:
+            raise UsageError(str(e)) from None
+    spec.rows.check_constraint = engine.check_constraint
+    return JobRunner(engine, spec, o.model or "demo", engine.model_path, device_name())
+
+
+def _ray_runner(job: Job):
+    """The job runner for ray_address: the model is loaded by the Ray actors, not here."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise UsageError("--ray needs Ray: pip install 'batchrun[ray]'") from None
+    from batchrun.job.distributed import RayJobRunner, RayOptions
+    from batchrun.models import is_vision_config, local_path, model_fingerprint, read_config
+
+    o = job.options
+    path = local_path(o.model)  # the snapshot the actors will load: fingerprinted
+    vision = o.vision or is_vision_config(read_config(path))
+    ray_options = RayOptions(o.ray_address, o.ray_actors, o.ray_num_cpus, o.ray_num_gpus,
+                             o.ray_slice_rows)
+    return RayJobRunner(job.spec, o.model, o.model or "demo", path, model_fingerprint(path),
+                        job.config, f"ray {o.ray_address}", ray_options, vision)
+
+
+def device_name() -> str:
+    import mlx.core as mx
+
+    device = mx.default_device()
+    return f"{device.type.name} ({mx.device_info().get('device_name', '')})"

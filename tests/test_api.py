@@ -49,3 +49,36 @@ def test_import_batchrun_is_cheap():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_a_job_gives_what_the_command_line_gives(tmp_path):
+    from tests.helpers import jsonl, run, write_rows
+
+    rows = write_rows(tmp_path / "rows.jsonl",
+                      [{"custom_id": f"r{i}", "prompt": f"row {i}", "max_tokens": 4}
+                       for i in range(8)] + [{"custom_id": "bad"}])
+    job = batchrun.Job(rows, job_dir=tmp_path / "api", max_tokens=4, choices=None)
+    report = job.run()
+    assert (report["rows_done"], report["rows_failed"]) == (8, 1)
+    run(rows, "--job-dir", tmp_path / "cli", "--max-tokens", "4")
+    assert (tmp_path / "api" / "results.jsonl").read_bytes() == \
+        (tmp_path / "cli" / "results.jsonl").read_bytes()
+    records = list(job.results())
+    assert [r["custom_id"] for r in records] == [f"r{i}" for i in range(8)] + ["bad"]
+    assert records[-1]["error"]["code"] and records[0] == jsonl(tmp_path / "cli" /
+                                                                "results.jsonl")[0]
+    status = job.status()
+    assert status["running"] is False and status["rows_done"] == 8
+    again = batchrun.Job(rows, job_dir=tmp_path / "api", max_tokens=4).run()  # resumes
+    assert again["runs"][-1]["rows_done"] == 0
+
+
+def test_a_job_refuses_bad_options_by_name(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "x"}\n')
+    with pytest.raises(batchrun.api.UsageError, match="unknown options max_tokenz"):
+        batchrun.Job(rows, max_tokenz=3)
+    with pytest.raises(batchrun.api.UsageError, match="at most one"):
+        batchrun.Job(rows, choices="a,b", regex="x")
+    with pytest.raises(batchrun.api.UsageError, match="not found"):
+        batchrun.Job(tmp_path / "missing.jsonl")

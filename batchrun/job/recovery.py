@@ -236,3 +236,30 @@ def _difference(saved: Progress, found: Progress) -> str:
     a, b = dataclasses.asdict(saved), dataclasses.asdict(found)
     changed = ", ".join(f"{k} {a[k]:,} -> {b[k]:,}" for k in a if a[k] != b[k])
     return f"state.json disagreed with the files ({changed})"
+
+
+def ordered_records(results: Path, errors: Path) -> Iterator[dict]:
+    """Every written row's record in input order, merging the ordered results and errors
+    files (an error record names its row's index; the rows between are results)."""
+    res, err = _records(results), _records(errors)
+    pending_error = next(err, None)
+    index = 0
+    while True:
+        if pending_error is not None and pending_error.get("index") == index:
+            yield pending_error
+            pending_error = next(err, None)
+        else:
+            record = next(res, None)
+            if record is None:
+                return
+            yield record
+        index += 1
+
+
+def _records(path: Path) -> Iterator[dict]:
+    if not path.exists():
+        return
+    with open(path, "rb") as f:
+        for line in f:
+            if line.endswith(b"\n"):
+                yield orjson.loads(line)
