@@ -11,16 +11,12 @@ import os
 import sys
 import tomllib
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 from click.core import ParameterSource
 
 import batchrun
 from batchrun.paths import default_cache_dir
-
-if TYPE_CHECKING:
-    from batchrun.engine.request import EngineConfig
 
 # Job-file keys (TOML) and the `run` parameters they set; paths are relative to the job file.
 JOB_FILE_KEYS = ("input", "model", "output", "job_dir", "max_concurrency", "max_tokens",
@@ -134,15 +130,9 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
 
     Re-running the same command resumes the job where it stopped.
     """
-    from batchrun.engine.request import EngineConfig, SamplingParams
-    from batchrun.job.rows import RowOptions
-    from batchrun.job.runner import (
-        Interrupted,
-        JobError,
-        JobSpec,
-        check_paths,
-        default_job_dir,
-    )
+    from batchrun.api import Job, UsageError
+    from batchrun.job import report as rp
+    from batchrun.job.runner import Interrupted, JobError
 
     job_file = None
     if input_path.suffix == ".toml":
@@ -151,45 +141,24 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
         input_path = opts.pop("input")
     if not input_path.is_file():
         raise _fail(f"input file not found: {input_path}")
-    if opts["prompt_template"] is not None and not opts["prompt_template"].strip():
-        raise click.BadParameter("must not be empty", param_hint="--prompt-template")
-    debug = opts["debug"]
-    constraint = _constraint_option(opts)
+    debug = opts.pop("debug")
+    moved = opts.pop("_output_follows_job_dir", False)
+    if job_file and not opts["job_dir"]:
+        opts["job_dir"] = job_file.parent / job_file.stem
     try:
-        defaults = SamplingParams(
-            max_tokens=opts["max_tokens"], temperature=opts["temperature"],
-            top_p=opts["top_p"], top_k=opts["top_k"], min_p=opts["min_p"], seed=opts["seed"],
-            stop=tuple(opts["stop"]), logprobs=bool(opts["logprobs"] or opts["top_logprobs"]),
-            top_logprobs=opts["top_logprobs"], constraint=constraint)
-        config = EngineConfig(max_concurrency=opts["max_concurrency"],
-                              prefill_batch_size=opts["prefill_batch_size"],
-                              prefill_step_size=opts["prefill_step_size"],
-                              memory_utilization=opts["memory_utilization"],
-                              prefix_cache=not opts["no_prefix_cache"],
-                              cache_dir=str(opts["cache_dir"] or default_cache_dir()))
-    except ValueError as e:
-        raise click.UsageError(str(e)) from e
-    job_dir = opts["job_dir"] or (job_file.parent / job_file.stem if job_file
-                                  else default_job_dir(input_path))
-    output = opts["output"] or job_dir / "results.jsonl"
-    if job_file and opts.pop("_output_follows_job_dir", False):
-        click.echo(f"output: {output} (the job file's output, moved with --job-dir)", err=True)
-    spec = JobSpec(input_path, job_dir, output, opts["model"],
-                   RowOptions(defaults, opts["system"], opts["prompt_template"],
-                              opts["id_column"], opts["n"],
-                              image_column=opts["image_column"]),
-                   restart=opts["restart"], quiet=opts["quiet"])
+        job = Job(input_path, **opts)
+    except UsageError as e:
+        raise click.UsageError(str(e)) from None
+    spec, job_dir = job.spec, job.spec.job_dir
+    if moved:
+        click.echo(f"output: {spec.output} (the job file's output, moved with --job-dir)",
+                   err=True)
     try:
-        check_paths(spec)  # before the model loads
+        job.check()  # before the model loads
     except JobError as e:
         raise _fail(str(e), code=e.exit_code) from None
-    if opts["ray_address"]:
-        runner = _ray_runner(spec, opts, config)
-    else:
-        runner = _local_runner(spec, opts, config, constraint, debug)
-    engine = runner.engine
-    from batchrun.job import report as rp
-
+    _prepare(job, debug)
+    runner, engine = job.runner, job.engine
     resume = resume_command(sys.argv[2:])
     try:
         report = runner.run()
@@ -212,7 +181,7 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
     if report["rows_failed"]:
         click.echo(f"errors:     {spec.errors_path}", err=True)
     click.echo(f"report:     {job_dir / 'report.html'}", err=True)
-    if opts["ray_address"]:
+    if job.options.ray_address:
         for w in report.get("workers", []):
             click.echo(f"worker {w['actor']}: {w['rows']:,} rows in {w['slices']} slices, "
                        f"{w['completion_tokens_per_s']:,.1f} tok/s busy ({w['node']}, "
@@ -227,85 +196,34 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
                       if cache_stats["disk_skipped"] else "") + ")", err=True)
 
 
-def _local_runner(spec, opts: dict, config: EngineConfig, constraint, debug: bool):
-    """The job runner with the model loaded here (a text or a vision engine)."""
-    from batchrun.job.runner import JobRunner
-
-    engine = _load_engine(opts["model"], config, debug, opts["vision"])
-    if hasattr(engine.prompts, "prepare"):  # a vision model: rows may carry images
-        from batchrun.io.media import ImageCache
-
-        spec.rows.images = ImageCache()
-    elif opts["image_column"]:
-        raise click.UsageError("--image-column needs a vision model (pass --model with one, "
-                               "or --vision to force the vision path)")
-    if constraint is not None:
-        from batchrun.engine.constrain import ConstraintError
-
-        try:
-            engine.check_constraint(constraint)
-        except ConstraintError as e:
-            raise click.UsageError(str(e)) from None
-    spec.rows.check_constraint = engine.check_constraint
-    click.echo(describe_runtime(engine, opts["model"]), err=True)
-    return JobRunner(engine, spec, opts["model"] or "demo", engine.model_path, _device_name())
-
-
-def _ray_runner(spec, opts: dict, config: EngineConfig):
-    """The job runner for --ray: the model is loaded by the Ray actors, not here."""
-    try:
-        import ray  # noqa: F401
-    except ImportError:
-        raise _fail("--ray needs Ray: pip install 'batchrun[ray]'") from None
-    from batchrun.job.distributed import RayJobRunner, RayOptions
-    from batchrun.models import (
-        ModelError,
-        is_vision_config,
-        local_path,
-        model_fingerprint,
-        read_config,
-    )
+def _prepare(job, debug: bool) -> None:
+    """Load the job's model (or start its Ray runner) and say what runs where; bad options and
+    models are one line."""
+    from batchrun.api import UsageError
+    from batchrun.models import ModelError
 
     try:
-        path = local_path(opts["model"])  # the snapshot the actors will load: fingerprinted
+        job.prepare()
+    except UsageError as e:
+        raise click.UsageError(str(e)) from None
     except ModelError as e:
+        if debug:
+            raise
         raise _fail(str(e), "pass an mlx-lm model folder or a Hugging Face id with --model") \
-            from None
-    vision = opts["vision"] or is_vision_config(read_config(path))
-    ray_options = RayOptions(opts["ray_address"], opts["ray_actors"], opts["ray_num_cpus"],
-                             opts["ray_num_gpus"], opts["ray_slice_rows"])
-    click.echo(f"model:  {opts['model'] or 'demo'} ({path})\nray:    {opts['ray_address']}, "
-               f"{ray_options.actors} actors x {ray_options.num_cpus:g} CPU, "
-               f"{ray_options.num_gpus:g} GPU", err=True)
-    return RayJobRunner(spec, opts["model"], opts["model"] or "demo", path,
-                        model_fingerprint(path), config, f"ray {opts['ray_address']}",
-                        ray_options, vision)
-
-
-def _constraint_option(opts: dict):
-    """The job-wide constraint from --json-schema, --choices or --regex (at most one)."""
-    from batchrun.engine.constrain import Constraint, ConstraintError
-
-    given = [f"--{name.replace('_', '-')}" for name in ("json_schema", "choices", "regex")
-             if opts.get(name) is not None]
-    if len(given) > 1:
-        raise click.UsageError(f"give at most one of {', '.join(given)}")
-    try:
-        if opts.get("json_schema") is not None:
-            path = Path(opts["json_schema"])
-            if not path.is_file():
-                raise click.BadParameter(f"file not found: {path}", param_hint="--json-schema")
-            return Constraint.json_schema(path.read_text())
-        if opts.get("choices") is not None:
-            choices = opts["choices"]
-            if isinstance(choices, str):
-                choices = [c.strip() for c in choices.split(",")]
-            return Constraint.choices(list(choices))
-        if opts.get("regex") is not None:
-            return Constraint.regex(opts["regex"])
-    except ConstraintError as e:
-        raise click.UsageError(f"{given[0]}: {e}") from None
-    return None
+            from e
+    except Exception as e:
+        if debug:
+            raise
+        raise _fail(f"could not load model {job.options.model or 'demo'!r}: {e}",
+                    "pass an mlx-lm model folder or a Hugging Face id with --model") from e
+    o = job.options
+    if o.ray_address:
+        r = job.runner.ray_options
+        click.echo(f"model:  {o.model or 'demo'} ({job.runner.model_path})\nray:    "
+                   f"{o.ray_address}, {r.actors} actors x {r.num_cpus:g} CPU, "
+                   f"{r.num_gpus:g} GPU", err=True)
+    else:
+        click.echo(describe_runtime(job.engine, o.model), err=True)
 
 
 def _quote(arg: str) -> str:
@@ -536,38 +454,14 @@ def cache_clear(cache_dir: Path | None, yes: bool) -> None:
     click.echo(f"cleared {root}")
 
 
-def _load_engine(model: str | None, config: EngineConfig, debug: bool, vision: bool = False):
-    from batchrun.api import load_engine
-    from batchrun.models import ModelError
-
-    try:
-        return load_engine(model, config, vision or None)
-    except ModelError as e:
-        if debug:
-            raise
-        raise _fail(str(e), "pass an mlx-lm model folder or a Hugging Face id with --model") \
-            from e
-    except Exception as e:
-        if debug:
-            raise
-        raise _fail(f"could not load model {model or 'demo'!r}: {e}",
-                    "pass an mlx-lm model folder or a Hugging Face id with --model") from e
-
-
-def _device_name() -> str:
-    import mlx.core as mx
-
-    device = mx.default_device()
-    return f"{device.type.name} ({mx.device_info().get('device_name', '')})"
-
-
 def describe_runtime(engine, model: str | None) -> str:
     import mlx.core as mx
 
     from batchrun import blas
+    from batchrun.api import device_name
 
     device = mx.default_device()
-    where = _device_name()
+    where = device_name()
     if device == mx.cpu:
         where = where[:-1] + f", {os.cpu_count()} cores)"
     lines = [f"model:  {model or 'demo'} ({engine.model_path})", f"device: {where}"]
