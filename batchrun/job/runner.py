@@ -25,9 +25,9 @@ from tqdm import tqdm
 
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import FinishReason, Output
-from batchrun.io.jsonl import InputError, RawRow, count_jsonl, read_jsonl
-from batchrun.io.parquet import count_parquet, read_parquet
+from batchrun.io.jsonl import InputError, RawRow
 from batchrun.io.parquet_output import ParquetOutput
+from batchrun.io.readers import count_rows, read_rows
 from batchrun.job import manifest as mf
 from batchrun.job import ownership
 from batchrun.job import report as rp
@@ -142,19 +142,6 @@ def input_stem(path: Path) -> str:
         if name.endswith(suffix):
             return name[: -len(suffix)]
     return path.stem
-
-
-def is_parquet(path: Path) -> bool:
-    return path.name.endswith(".parquet")
-
-
-def count_rows(path: Path) -> int:
-    """Rows in the input; raises InputError if it is damaged (truncated, not the format)."""
-    return count_parquet(path) if is_parquet(path) else count_jsonl(path)
-
-
-def read_rows(path: Path, start: int) -> Iterator[RawRow]:
-    return read_parquet(path, start) if is_parquet(path) else read_jsonl(path, start)
 
 
 class RowWork:
