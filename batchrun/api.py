@@ -51,6 +51,10 @@ class UsageError(ValueError):
     """An option that cannot work (the command line's exit 2); the message names it."""
 
 
+class MissingExtra(RuntimeError):
+    """An option needs a package that is not installed; the message says how to install it."""
+
+
 @dataclass(slots=True)
 class RunOptions:
     """The `run` command's options, under the same names (`--max-tokens` is max_tokens)."""
@@ -244,7 +248,7 @@ def _ray_runner(job: Job):
     try:
         import ray  # noqa: F401
     except ImportError:
-        raise UsageError("--ray needs Ray: pip install 'batchrun[ray]'") from None
+        raise MissingExtra("--ray needs Ray: pip install 'batchrun[ray]'") from None
     from batchrun.job.distributed import RayJobRunner, RayOptions
     from batchrun.models import is_vision_config, local_path, model_fingerprint, read_config
 

@@ -199,13 +199,15 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
 def _prepare(job, debug: bool) -> None:
     """Load the job's model (or start its Ray runner) and say what runs where; bad options and
     models are one line."""
-    from batchrun.api import UsageError
+    from batchrun.api import MissingExtra, UsageError
     from batchrun.models import ModelError
 
     try:
         job.prepare()
     except UsageError as e:
         raise click.UsageError(str(e)) from None
+    except MissingExtra as e:
+        raise _fail(str(e)) from None
     except ModelError as e:
         if debug:
             raise
