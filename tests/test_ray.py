@@ -4,9 +4,12 @@ The tests start (and stop) their own local Ray cluster, bound to 127.0.0.1 with 
 store and no token auth; two CPU actors."""
 
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from click.testing import CliRunner
 
 from batchrun.cli import cli
 from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.job import ray_local
 from batchrun.job.distributed import RayJobRunner, RayOptions
 from batchrun.job.rows import RowOptions
 from batchrun.job.runner import JobSpec
@@ -104,35 +108,179 @@ def test_a_killed_actor_has_its_slice_retried_and_every_row_is_done_once(cluster
     assert report["workers"][1 - killed[0]]["rows"] >= 100  # the survivor did the rest
 
 
-def test_a_killed_driver_resumes_with_every_row_exactly_once(tmp_path):
-    rows = rows_file(tmp_path / "rows.jsonl", 400)
-    job = tmp_path / "job"
-    cmd = [sys.executable, "-m", "batchrun", "run", str(rows), "--job-dir", str(job),
-           "--quiet", "--ray", "local", "--ray-actors", "2", "--ray-num-cpus", "0.5",
-           "--max-concurrency", "8"]
-    env = {**os.environ, **LOOPBACK_ENV}
+def deep_row(depth: int) -> bytes:
+    """A valid row nested `depth` lists deep (orjson parses up to 1024)."""
+    return b'{"custom_id": "deep", "prompt": "hi", "meta": ' + b"[" * depth + b"]" * depth + b"}"
+
+
+def test_a_row_too_deep_to_send_to_a_worker_is_that_rows_error(cluster, tmp_path):
+    rows = rows_file(tmp_path / "rows.jsonl", 20)
+    lines = rows.read_bytes().splitlines()
+    lines[3] = deep_row(600)
+    rows.write_bytes(b"\n".join(lines) + b"\n")
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    for args in (["--job-dir", single], ["--job-dir", sharded, "--ray", "local",
+                                         "--ray-actors", "2", "--ray-num-cpus", "0.5",
+                                         "--ray-slice-rows", "8"]):
+        result = CliRunner().invoke(cli, ["run", str(rows), "--quiet", *map(str, args)])
+        assert result.exit_code == 0, result.output
+    # One machine runs the row; Ray cannot pickle it to an actor: it alone becomes an error.
+    assert 3 in [r["index"] for r in jsonl(single / "results.jsonl")]
+    errors = {e["index"]: e for e in jsonl(sharded / "errors.jsonl")}
+    assert sorted(errors) == [3, 5, 9]  # the deep row, the broken line, the duplicate id
+    assert errors[3]["custom_id"] == "deep" and errors[3]["line"] == 4
+    assert errors[3]["error"]["code"] == "row_not_sendable"
+    assert "line 4" in errors[3]["error"]["message"]
+    done = [r["index"] for r in jsonl(sharded / "results.jsonl")]
+    assert done == [i for i in range(20) if i not in (3, 5, 9)]  # its slice's other rows too
+
+
+def descendants(pid: int) -> dict[int, float]:
+    """The processes below `pid` now: pid -> start time (a pid may be reused later)."""
+    import psutil
+
+    try:
+        return {p.pid: p.create_time() for p in psutil.Process(pid).children(recursive=True)}
+    except psutil.Error:
+        return {}
+
+
+def still_running(procs: dict[int, float]) -> list[int]:
+    import psutil
+
+    alive = []
+    for pid, started in procs.items():
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == started and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.Error:
+            pass
+    return alive
+
+
+def run_until(cmd, env, results: Path, new_lines: int, sig: int | None, group: bool = False):
+    """Run the driver; once `new_lines` more results exist, send it `sig` (to its process group
+    if `group`, as Ctrl-C in a terminal does). Returns (exit code, every process it started)."""
+    before = len(results.read_bytes().splitlines()) if results.exists() else 0
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
-    results = job / "results.jsonl"
+    started: dict[int, float] = {}
     deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if results.exists() and len(results.read_bytes().splitlines()) >= 40:
+    while proc.poll() is None and time.monotonic() < deadline:
+        started.update(descendants(proc.pid))
+        if sig is not None and results.exists() \
+                and len(results.read_bytes().splitlines()) >= before + new_lines:
             break
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended before it could be killed: {proc.stderr.read()}")
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)  # the driver and the cluster it started
-    proc.wait()
-    done_before = len(results.read_bytes().splitlines())
-    assert 0 < done_before < 398
-    resumed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert resumed.returncode == 0, resumed.stderr
+    started.update(descendants(proc.pid))
+    if sig is not None:
+        assert proc.poll() is None, f"the run ended before the signal: {proc.stderr.read()}"
+        (os.killpg if group else os.kill)(proc.pid, sig)
+    code = proc.wait(timeout=180)
+    assert code != 1, proc.stderr.read()
+    return code, started
+
+
+def test_a_local_cluster_ends_with_its_driver_and_a_killed_drivers_leftovers_are_reaped(
+        tmp_path):
+    n = 600  # enough work that each stop lands mid-run (finished rows land in big jumps)
+    rows = rows_file(tmp_path / "rows.jsonl", n)
+    job = tmp_path / "job"
+    results = job / "results.jsonl"
+    # Ray's temp base (short: socket paths), holding a stale address file the start must ignore.
+    base = Path(tempfile.mkdtemp(prefix="br", dir="/tmp"))
+    (base / "ray").mkdir()
+    (base / "ray" / "ray_current_cluster").write_text("127.0.0.1:1")
+    env = {**os.environ, **LOOPBACK_ENV, "RAY_TMPDIR": str(base)}
+    cmd = [sys.executable, "-m", "batchrun", "run", str(rows), "--job-dir", str(job),
+           "--quiet", "--ray", "local", "--ray-actors", "2", "--ray-num-cpus", "0.5",
+           "--max-concurrency", "8", "--ray-slice-rows", "8"]
+    killed: dict[int, float] = {}
+    try:
+        for sig, group in ((signal.SIGINT, True), (signal.SIGTERM, False)):
+            code, started = run_until(cmd, env, results, 8, sig, group)
+            assert code == 130  # stopped, progress saved
+            assert len(started) >= 5  # the cluster: gcs, raylet, agents, workers...
+            assert still_running(started) == []
+            assert not (job / "ray.json").exists()
+        code, killed = run_until(cmd, env, results, 8, signal.SIGKILL)
+        assert code == -signal.SIGKILL
+        done_before = len(results.read_bytes().splitlines())
+        assert 0 < done_before < n - 2
+        left = still_running(killed)  # Ray's agents and workers outlive a killed driver
+        assert left
+        record = orjson.loads((job / "ray.json").read_bytes())
+        assert Path(record["temp_dir"]).parent == base
+        code, started = run_until(cmd, env, results, 0, None)  # the resume runs to the end
+        assert code == 0
+        assert still_running(killed) == [] and still_running(started) == []
+        assert not (job / "ray.json").exists() and list(base.glob(ray_local.PREFIX + "*")) == []
+    finally:
+        for pid in still_running(killed):
+            os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(base, ignore_errors=True)
     indexes = [r["index"] for r in jsonl(results)] + [e["index"] for e in jsonl(
         job / "errors.jsonl")]
-    assert sorted(indexes) == list(range(400))  # exactly once, none lost
+    assert sorted(indexes) == list(range(n))  # exactly once, none lost
     assert [r["index"] for r in jsonl(results)] == sorted(r["index"] for r in jsonl(results))
     report = orjson.loads((job / "report.json").read_bytes())
-    assert len(report["runs"]) == 2 and report["runs"][-1]["status"] == "completed"
+    # The killed run's last commit said "running"; the others ended as they were stopped.
+    assert [r["status"] for r in report["runs"]] == ["interrupted", "interrupted", "running",
+                                                     "completed"]
+
+
+def sleeper(*args: str, title: str | None = None, holding: Path | None = None):
+    """A stand-in process: these arguments, optionally renamed like a Ray worker and holding a
+    file open."""
+    code = ["import sys, time"]
+    if holding is not None:
+        code.append(f"f = open({str(holding)!r}, 'w')")
+    if title is not None:
+        code.append(f"import ray._raylet; ray._raylet.setproctitle({title!r})")
+    code.append("print('ready', flush=True); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", "; ".join(code), *args],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"
+    return proc
+
+
+def test_reaping_kills_the_recorded_sessions_processes_and_nothing_else(tmp_path):
+    ray_root = os.path.dirname(ray.__file__)
+    session = Path(tempfile.mkdtemp(prefix=ray_local.PREFIX, dir="/tmp"))
+    other = Path(tempfile.mkdtemp(prefix=ray_local.PREFIX, dir="/tmp"))
+    logs = session / "session_1" / "logs"
+    logs.mkdir(parents=True)
+    older = sleeper(f"--logs-dir={logs}", ray_root)  # like ours, but from before the record
+    time.sleep(1.5)
+    recorded = time.time()  # the session's processes start after its record is written
+    procs = {
+        "head": sleeper(f"--logs-dir={logs}", f"{ray_root}/autoscaler/monitor.py"),
+        "worker": sleeper(title="ray::SliceWorker", holding=logs / "worker.out"),
+        "tail": sleeper(str(logs / "raylet.out")),  # names the folder, but is not Ray
+        "other worker": sleeper(title="ray::SliceWorker", holding=other / "worker.out"),
+        "other head": sleeper(f"--logs-dir={other}/logs", ray_root),
+    }
+    record = {"temp_dir": str(session), "host": socket.gethostname(), "driver_pid": 1,
+              "started": recorded}
+    try:
+        for bad in ({**record, "host": "elsewhere"}, {**record, "temp_dir": str(tmp_path)},
+                    {**record, "temp_dir": f"{other}/../{session.name}"}, ["not", "a record"]):
+            (tmp_path / "ray.json").write_bytes(orjson.dumps(bad))
+            assert ray_local.reap(tmp_path) == 0  # not provably ours: nothing touched
+            assert session.exists() and not (tmp_path / "ray.json").exists()
+        (tmp_path / "ray.json").write_bytes(orjson.dumps(record))
+        assert ray_local.reap(tmp_path) == 2
+        assert [name for name, p in procs.items() if p.poll() is not None] == ["head", "worker"]
+        assert older.poll() is None
+        assert not session.exists() and other.exists() and not (tmp_path / "ray.json").exists()
+        assert ray_local.reap(tmp_path) == 0  # no record: nothing to do
+    finally:
+        for p in [older, *procs.values()]:
+            p.kill()
+            p.wait()
+        shutil.rmtree(session, ignore_errors=True)
+        shutil.rmtree(other, ignore_errors=True)
 
 
 def test_ray_flag_without_ray_installed_says_how_to_install_it(tmp_path, monkeypatch):

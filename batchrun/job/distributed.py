@@ -12,7 +12,11 @@ record per row. So the guarantees are the single machine's:
   worker costs little;
 - slices are handed out as workers ask (enough in flight to fill an actor's batch, plus one),
   so a faster worker takes more;
-  inside a worker, a slice's rows join the batch still decoding the previous one's.
+  inside a worker, a slice's rows join the batch still decoding the previous one's;
+- a slice travels as bytes the driver pickled itself, so a row that cannot be sent (nested
+  deeper than the pickler's recursion limit) is found here and becomes that row's error;
+- a local cluster (`--ray local`) is the job's own: stopped on every exit, and what a killed
+  driver left of it is killed on the next start (job/ray_local.py).
 
 Ray's own checkpointing (Ray Data's CheckpointConfig) keys on row ids and writes unordered part
 files; the job folder's commit protocol already gives ordered, exactly-once output, so it is
@@ -23,7 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import queue
+import signal
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -42,6 +48,9 @@ from batchrun.job.runner import (
 
 SLICE_ROWS = 64  # rows per slice
 MIN_IN_FLIGHT = 2  # slices an actor holds at once, their rows in one running batch
+# What pickling a parsed row can raise: too deep for the recursion limit, or (defensively)
+# a value the pickler refuses.
+UNSENDABLE = (RecursionError, pickle.PicklingError, TypeError, ValueError, OverflowError)
 
 
 def ray_missing() -> str:
@@ -138,9 +147,9 @@ class SliceWorker(RowWork):
         self._failure: BaseException | None = None  # what stopped the engine thread
         threading.Thread(target=self._drive, name="batchrun-engine", daemon=True).start()
 
-    def run_slice(self, rows: list[RawRow]) -> dict:
-        """Every row of the slice to a record, with the engine's figures so far."""
-        job = _SliceJob(rows)
+    def run_slice(self, payload: bytes) -> dict:
+        """Every row of the slice (pickled rows) to a record, with the engine's figures so far."""
+        job = _SliceJob(pickle.loads(payload))
         self._inbox.put(job)
         while not job.done.wait(1.0):
             if self._failure is not None:  # the engine thread is gone: never wait for it
@@ -193,6 +202,14 @@ class SliceWorker(RowWork):
 
     def ping(self) -> int:
         return os.getpid()
+
+
+def _not_sendable(raw: RawRow, custom_id: str, e: BaseException) -> RowError:
+    reason = "it is nested too deeply" if isinstance(e, RecursionError) \
+        or "recursion" in str(e) else f"{type(e).__name__}: {e}"
+    return RowError(raw.index, raw.line, custom_id, "row_not_sendable",
+                    f"the row on line {raw.line} cannot be sent to a Ray worker ({reason}); "
+                    "nest its values less deeply, or run the job without --ray")
 
 
 def _node_ip() -> str:
@@ -268,29 +285,47 @@ class RayJobRunner(JobRunner):
         self._actor_stats: dict[int, dict] = {}
         self._on_result = on_result  # tests: called with (runner, actors) after each slice
         self._own_ray = False
+        self._cluster = None  # the local cluster this driver started, if any
 
     def _run(self, progress):
         import ray
 
-        self._start_ray()
+        # SIGTERM stops the job like Ctrl-C (the runner handles SIGINT): every path out of
+        # here, a second signal's KeyboardInterrupt included, stops the cluster we started.
+        main_thread = threading.current_thread() is threading.main_thread()
+        if main_thread:
+            previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigint)
         try:
+            self._start_ray()
+            if main_thread:  # ray.init put its own (crash-report-and-die) handler in
+                signal.signal(signal.SIGTERM, self._on_sigint)
             return super()._run(progress)
         finally:
-            if self._own_ray:
-                ray.shutdown()
+            try:
+                if self._cluster is not None:
+                    self._cluster.stop()
+                elif self._own_ray:
+                    ray.shutdown()
+            finally:
+                if main_thread:
+                    signal.signal(signal.SIGTERM, previous_sigterm)
 
     def _start_ray(self) -> None:
-        """Join the cluster: one already joined in this process, ADDRESS, or a local one."""
+        """Join the cluster: one already joined in this process, ADDRESS, or a local one. A
+        local cluster a killed run of this job left behind is reaped first."""
         import ray
 
+        from batchrun.job import ray_local
+
+        ray_local.reap(self.spec.job_dir)
         if ray.is_initialized():
             return
         self._own_ray = True
         if self.ray_options.address == "local":
-            ray.init(address="local", include_dashboard=False, log_to_driver=False,
-                     num_cpus=max(os.cpu_count() or 1, int(self.ray_options.num_cpus
-                                                           * self.ray_options.actors + 0.999)))
-        else:
+            self._cluster = ray_local.LocalCluster(self.spec.job_dir)
+            self._cluster.start(num_cpus=max(os.cpu_count() or 1, int(
+                self.ray_options.num_cpus * self.ray_options.actors + 0.999)))
+        else:  # not ours: joined, never shut down beyond our connection
             ray.init(address=self.ray_options.address, log_to_driver=False)
 
     def _loop(self, progress, sink, bar, commit) -> None:
@@ -306,20 +341,20 @@ class RayJobRunner(JobRunner):
         self.workers = [WorkerFigures(i) for i in range(opts.actors)]
         live = set(range(opts.actors))
         load: dict[int, int] = {i: 0 for i in live}
-        retry: deque[list[RawRow]] = deque()
+        retry: deque[bytes] = deque()
         slices = self._slices(progress.next_index, sink, bar)
-        flying: dict[Any, tuple[int, list[RawRow]]] = {}
+        flying: dict[Any, tuple[int, bytes]] = {}
         exhausted = False
         while not self._interrupted:
             while live and (retry or not exhausted):
                 actor = min(live, key=load.__getitem__)
                 if load[actor] >= self.in_flight:
                     break
-                rows = retry.popleft() if retry else next(slices, None)
-                if rows is None:
+                payload = retry.popleft() if retry else next(slices, None)
+                if payload is None:
                     exhausted = True
                     break
-                flying[actors[actor].run_slice.remote(rows)] = (actor, rows)
+                flying[actors[actor].run_slice.remote(payload)] = (actor, payload)
                 load[actor] += 1
             if not flying:
                 if not live and (retry or not exhausted):
@@ -327,7 +362,7 @@ class RayJobRunner(JobRunner):
                 break
             done, _ = ray.wait(list(flying), num_returns=1, timeout=COMMIT_INTERVAL_S)
             for ref in done:
-                actor, rows = flying.pop(ref)
+                actor, payload = flying.pop(ref)
                 load[actor] -= 1
                 try:
                     result = ray.get(ref)
@@ -336,7 +371,7 @@ class RayJobRunner(JobRunner):
                     self.workers[actor].failed_slices += 1
                     self.workers[actor].alive = False
                     live.discard(actor)
-                    retry.append(rows)
+                    retry.append(payload)
                     continue
                 self._absorb(actor, result, sink, bar)
                 if self._on_result is not None:
@@ -344,8 +379,8 @@ class RayJobRunner(JobRunner):
             commit()
 
     def _slices(self, start: int, sink, bar):
-        """Slices of the rows from `start` on that have no record yet; duplicate ids are caught
-        here, where every row is seen, and written as errors at once."""
+        """Slices of the rows from `start` on that have no record yet, pickled for the actors;
+        duplicate ids are caught here, where every row is seen, and written as errors at once."""
         rows: list[RawRow] = []
         for raw in self.pending_rows(start):
             if raw.error is None:
@@ -356,10 +391,33 @@ class RayJobRunner(JobRunner):
                     continue
             rows.append(raw)
             if len(rows) >= self.ray_options.slice_rows:
-                yield rows
+                yield from self._pack(rows, sink, bar)
                 rows = []
         if rows:
-            yield rows
+            yield from self._pack(rows, sink, bar)
+
+    def _pack(self, rows: list[RawRow], sink, bar):
+        """The slice as the bytes sent to an actor (none if no row can go). A row that cannot
+        be pickled is written as its own error; the others go."""
+        try:
+            payload = pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL)
+        except UNSENDABLE:  # find the rows at fault: rare, so only then is a row pickled twice
+            payload = None
+        if payload is not None:
+            yield payload
+            return
+        sendable = []
+        for raw in rows:
+            try:
+                pickle.dumps([raw], protocol=pickle.HIGHEST_PROTOCOL)  # at the depth it goes
+            except UNSENDABLE as e:
+                self._write_error(_not_sendable(raw, self._expected_id(raw), e), sink,
+                                  openai=False)
+                bar.update(1)
+            else:
+                sendable.append(raw)
+        if sendable:
+            yield pickle.dumps(sendable, protocol=pickle.HIGHEST_PROTOCOL)
 
     def _absorb(self, actor: int, result: dict, sink, bar) -> None:
         for index, line, is_error, usage in result["records"]:
