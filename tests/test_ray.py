@@ -159,6 +159,18 @@ def still_running(procs: dict[int, float]) -> list[int]:
     return alive
 
 
+def described(pids: list[int]) -> list[str]:
+    import psutil
+
+    out = []
+    for pid in pids:
+        try:
+            out.append(f"{pid}: {' '.join(psutil.Process(pid).cmdline())[:120]}")
+        except psutil.Error:
+            out.append(f"{pid}: gone")
+    return out
+
+
 def run_until(cmd, env, results: Path, new_lines: int, sig: int | None, group: bool = False):
     """Run the driver; once `new_lines` more results exist, send it `sig` (to its process group
     if `group`, as Ctrl-C in a terminal does). Returns (exit code, every process it started)."""
@@ -202,7 +214,7 @@ def test_a_local_cluster_ends_with_its_driver_and_a_killed_drivers_leftovers_are
             code, started = run_until(cmd, env, results, 8, sig, group)
             assert code == 130  # stopped, progress saved
             assert len(started) >= 5  # the cluster: gcs, raylet, agents, workers...
-            assert still_running(started) == []
+            assert described(still_running(started)) == [], sig
             assert not (job / "ray.json").exists()
         code, killed = run_until(cmd, env, results, 8, signal.SIGKILL)
         assert code == -signal.SIGKILL
@@ -214,7 +226,8 @@ def test_a_local_cluster_ends_with_its_driver_and_a_killed_drivers_leftovers_are
         assert Path(record["temp_dir"]).parent == base
         code, started = run_until(cmd, env, results, 0, None)  # the resume runs to the end
         assert code == 0
-        assert still_running(killed) == [] and still_running(started) == []
+        assert described(still_running(killed)) == []
+        assert described(still_running(started)) == []
         assert not (job / "ray.json").exists() and list(base.glob(ray_local.PREFIX + "*")) == []
     finally:
         for pid in still_running(killed):
