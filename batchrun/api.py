@@ -77,6 +77,9 @@ class RunOptions:
     logprobs: bool = False
     top_logprobs: int = 0
     image_column: str | None = None
+    media_root: tuple[Path, ...] = ()  # folders image paths may be read from (+ the input's)
+    allow_private_urls: bool = False
+    media_timeout: float = 30.0
     vision: bool = False
     system: str | None = None
     prompt_template: str | None = None
@@ -187,8 +190,15 @@ def _plan(input_path: Path, o: RunOptions):
         raise UsageError(str(e)) from None
     job_dir = Path(o.job_dir) if o.job_dir else default_job_dir(input_path)
     output = Path(o.output) if o.output else job_dir / "results.jsonl"
+    roots = [o.media_root] if isinstance(o.media_root, str | Path) else o.media_root
+    timeout = o.media_timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise UsageError(f"--media-timeout must be over 0 seconds, got {o.media_timeout!r}")
     rows = RowOptions(defaults, o.system, o.prompt_template, o.id_column, o.n,
-                      image_column=o.image_column)
+                      image_column=o.image_column,
+                      media_roots=tuple(Path(root).absolute() for root in roots),
+                      allow_private_urls=bool(o.allow_private_urls),
+                      media_timeout=float(o.media_timeout))
     spec = JobSpec(input_path, job_dir, output, o.model, rows, restart=o.restart, quiet=o.quiet)
     return spec, config, constraint
 

@@ -23,7 +23,8 @@ JOB_FILE_KEYS = ("input", "model", "output", "job_dir", "max_concurrency", "max_
                  "temperature", "top_p", "top_k", "min_p", "seed", "stop", "system",
                  "prompt_template", "id_column", "memory_utilization", "prefill_batch_size",
                  "prefill_step_size", "cache_dir", "no_prefix_cache", "json_schema", "choices",
-                 "regex", "n", "logprobs", "top_logprobs", "image_column", "vision", "ray_address",
+                 "regex", "n", "logprobs", "top_logprobs", "image_column", "media_root",
+                 "allow_private_urls", "media_timeout", "vision", "ray_address",
                  "ray_actors", "ray_num_cpus", "ray_num_gpus", "ray_slice_rows")
 JOB_FILE_PATHS = ("input", "output", "job_dir", "cache_dir", "json_schema")
 
@@ -94,6 +95,13 @@ def _show_warnings() -> None:
 @click.option("--logprobs", is_flag=True, help="log-probabilities of the generated tokens")
 @click.option("--image-column", default=None,
               help="column holding each row's image (bytes, a path or a URL): image rows")
+@click.option("--media-root", multiple=True, type=click.Path(path_type=Path, file_okay=False),
+              help="a folder image paths may be read from (repeatable) [default: only the input "
+                   "file's folder]")
+@click.option("--allow-private-urls", is_flag=True,
+              help="let image URLs reach loopback, private and link-local addresses")
+@click.option("--media-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0,
+              show_default=True, help="seconds one image may take to fetch, redirects included")
 @click.option("--ray", "ray_address", default=None, metavar="ADDRESS|local",
               help="shard the job over a Ray cluster (local: one started in this process)")
 @click.option("--ray-actors", type=click.IntRange(min=1), default=2, show_default=True,
@@ -266,6 +274,8 @@ def _merge_job_file(ctx: click.Context, path: Path, opts: dict) -> dict:
             value = str(path.parent / value)
         elif key == "stop" and isinstance(value, str):
             value = (value,)
+        elif key == "media_root":  # one folder or a list, each relative to the job file
+            value = tuple(path.parent / v for v in ([value] if isinstance(value, str) else value))
         merged[key] = value
     return merged
 

@@ -156,7 +156,9 @@ def test_bad_media_is_a_row_error_and_the_job_goes_on(tmp_path, monkeypatch):
     (tmp_path / "notes.png").write_text("not a picture")
     cases = {
         "missing": "nowhere/missing.png",
-        "unreachable": "http://10.255.255.1/cat.png",
+        "unreachable": "https://example.invalid/cat.png",
+        "private-url": "http://10.255.255.1/cat.png",
+        "outside": "/etc/passwd",
         "corrupt": "truncated.png",
         "unsupported": "notes.png",
         "bad-data-uri": "data:image/png;base64,@@@",
@@ -172,6 +174,7 @@ def test_bad_media_is_a_row_error_and_the_job_goes_on(tmp_path, monkeypatch):
     assert [r["custom_id"] for r in jsonl(job / "results.jsonl")] == ["ok"]
     assert {k: v["code"] for k, v in errors.items()} == {
         "missing": "image_not_found", "unreachable": "image_unreachable",
+        "private-url": "image_url_not_allowed", "outside": "image_path_not_allowed",
         "corrupt": "corrupt_image", "unsupported": "unsupported_image",
         "bad-data-uri": "invalid_image_url", "too-many": "too_many_images"}
     assert errors["missing"]["message"].startswith("messages[0].content[1].image_url")

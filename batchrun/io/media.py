@@ -5,6 +5,12 @@ an http(s) URL, raw bytes, or a {bytes, path} dict as HF datasets writes to Parq
 failure - missing file, no network, not an image, truncated, too large - raises MediaError with
 a code and a message that starts with the field; nothing else escapes. A LoadedImage is fully
 decoded RGB with its EXIF orientation applied, and its digest depends only on its pixels.
+
+Rows are untrusted (a MediaPolicy says what they may reach): a local path is read only if it
+resolves, after symlinks, under an allowed root, and only if it is a regular file; an http(s)
+URL connects only to the public addresses its host resolved to (checked again on every
+redirect) unless private ones are allowed; one deadline bounds all of an image's network work;
+and no message quotes a file's or a response's content.
 """
 
 from __future__ import annotations
@@ -12,25 +18,29 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import http.client
 import io
+import ipaddress
 import os
 import socket
+import ssl
 import stat
 import threading
-import urllib.error
+import time
 import urllib.request
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from http.client import HTTPException
+from http import HTTPStatus
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, unquote_to_bytes, urlsplit
+from urllib.parse import unquote, unquote_to_bytes, urljoin, urlsplit
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 MAX_BYTES = 20 * 1024 * 1024  # encoded size of one image
 MAX_PIXELS = 50_000_000  # width * height of one image, checked before decoding
-FETCH_TIMEOUT = 2.0  # seconds for each network step: an offline machine must fail rows fast
+MEDIA_TIMEOUT = 30.0  # seconds one image may take: name lookup, connect, every read, redirects
+MAX_REDIRECTS = 5
 CACHE_ENTRIES = 256
 CACHE_BYTES = 1 << 30  # decoded RGB bytes the cache may hold
 
@@ -72,18 +82,36 @@ class LoadedImage:
 
 
 @dataclass(frozen=True, slots=True)
+class MediaPolicy:
+    """What a row's image references may reach: local files under the input file's folder or
+    `roots` (--media-root), http(s) URLs on public addresses unless `allow_private_urls`, and
+    `timeout` seconds for each image (--media-timeout)."""
+
+    roots: tuple[Path, ...] = ()
+    allow_private_urls: bool = False
+    timeout: float = MEDIA_TIMEOUT
+
+    def __post_init__(self):
+        if not self.timeout > 0:
+            raise ValueError(f"the media timeout must be over 0 seconds, got {self.timeout!r}")
+
+
+DEFAULT_POLICY = MediaPolicy()
+
+
+@dataclass(frozen=True, slots=True)
 class _Source:
     kind: str  # "bytes", "file" or "url"
     value: Any  # bytes, a resolved Path, or the URL
 
 
-def load_image(ref: str | bytes | dict, base_dir: Path, field: str, *,
-               max_bytes: int = MAX_BYTES, max_pixels: int = MAX_PIXELS,
-               timeout: float = FETCH_TIMEOUT) -> LoadedImage:
+def load_image(ref: str | bytes | dict, base_dir: Path, field: str,
+               policy: MediaPolicy = DEFAULT_POLICY, *, max_bytes: int = MAX_BYTES,
+               max_pixels: int = MAX_PIXELS) -> LoadedImage:
     """Load and decode one image reference; raises MediaError naming `field`."""
     try:
-        source = _locate(ref, Path(base_dir), max_bytes)
-        return _decode(_read(source, max_bytes, timeout), max_pixels)
+        source = _locate(ref, Path(base_dir), policy, max_bytes)
+        return _decode(_read(source, max_bytes, policy), max_pixels)
     except MediaError as e:
         raise e.at(field) from None
 
@@ -94,13 +122,11 @@ class ImageCache:
     bad image (or an unreachable URL) fails at once."""
 
     def __init__(self, max_entries: int = CACHE_ENTRIES, max_cached_bytes: int = CACHE_BYTES, *,
-                 max_bytes: int = MAX_BYTES, max_pixels: int = MAX_PIXELS,
-                 timeout: float = FETCH_TIMEOUT):
+                 max_bytes: int = MAX_BYTES, max_pixels: int = MAX_PIXELS):
         self.max_entries = max_entries
         self.max_cached_bytes = max_cached_bytes
         self.max_bytes = max_bytes
         self.max_pixels = max_pixels
-        self.timeout = timeout
         self.hits = 0  # lookups answered from the cache, image or remembered failure
         self.misses = 0  # lookups that had to read and decode
         self.cached_bytes = 0
@@ -111,16 +137,17 @@ class ImageCache:
     def __len__(self) -> int:
         return len(self._images)
 
-    def load(self, ref: str | bytes | dict, base_dir: Path, field: str) -> LoadedImage:
-        """As load_image, through the cache."""
+    def load(self, ref: str | bytes | dict, base_dir: Path, field: str,
+             policy: MediaPolicy = DEFAULT_POLICY) -> LoadedImage:
+        """As load_image, through the cache (the policy is checked before any lookup)."""
         try:
-            source = _locate(ref, Path(base_dir), self.max_bytes)
-            key = self._key(source)
+            source = _locate(ref, Path(base_dir), policy, self.max_bytes)
+            key = self._key(source, policy)
             found = self._lookup(key)
             if found is not None:
                 return found
             try:
-                loaded = _decode(_read(source, self.max_bytes, self.timeout), self.max_pixels)
+                loaded = _decode(_read(source, self.max_bytes, policy), self.max_pixels)
             except MediaError as e:
                 self._remember(self._failures, key, e)
                 raise
@@ -129,12 +156,12 @@ class ImageCache:
         except MediaError as e:
             raise e.at(field) from None
 
-    def _key(self, source: _Source) -> tuple:
+    def _key(self, source: _Source, policy: MediaPolicy) -> tuple:
         if source.kind == "file":
             st = _stat_file(source.value, self.max_bytes)
             return ("file", str(source.value), st.st_mtime_ns, st.st_size)
-        if source.kind == "url":
-            return ("url", source.value)
+        if source.kind == "url":  # what a URL gave depends on what it was allowed to reach
+            return ("url", source.value, policy.allow_private_urls)
         return ("bytes", hashlib.sha256(source.value).hexdigest())
 
     def _lookup(self, key: tuple) -> LoadedImage | None:
@@ -242,7 +269,7 @@ def _describe(part: Any, kind: Any) -> str:
 
 # -- Locating and reading -------------------------------------------------------------------
 
-def _locate(ref: Any, base_dir: Path, max_bytes: int) -> _Source:
+def _locate(ref: Any, base_dir: Path, policy: MediaPolicy, max_bytes: int) -> _Source:
     if isinstance(ref, dict):
         ref = _pick_from_dict(ref)
     if isinstance(ref, bytes | bytearray | memoryview):
@@ -259,12 +286,24 @@ def _locate(ref: Any, base_dir: Path, max_bytes: int) -> _Source:
     if scheme in ("http", "https"):
         return _Source("url", url)
     if scheme == "file":
-        return _Source("file", _file_url_path(url))
+        return _Source("file", _allowed_path(_file_url_path(url), base_dir, policy))
     if "://" in url:
         raise MediaError("invalid_image_url", f"unsupported URL scheme {scheme + '://'!r}; "
                          f"give {_SCHEMES}")
-    path = Path(url)
-    return _Source("file", (path if path.is_absolute() else base_dir / path).resolve())
+    return _Source("file", _allowed_path(Path(url), base_dir, policy))
+
+
+def _allowed_path(path: Path, base_dir: Path, policy: MediaPolicy) -> Path:
+    """The path with every symlink resolved, if that lies under the input file's folder or a
+    media root. Else one message whatever the path is: it must not tell whether the file
+    exists."""
+    real = Path(os.path.realpath(base_dir / path))  # an absolute `path` replaces base_dir
+    roots = (Path(os.path.realpath(root)) for root in (base_dir, *policy.roots))
+    if any(real.is_relative_to(root) for root in roots):
+        return real
+    raise MediaError("image_path_not_allowed", "the image path lies outside the folders images "
+                     "may be read from (the input file's folder and each --media-root); pass "
+                     "--media-root DIR to allow the folder that holds it")
 
 
 def _pick_from_dict(ref: dict) -> Any:
@@ -312,20 +351,35 @@ def _file_url_path(url: str) -> Path:
     if parts.netloc not in ("", "localhost"):
         raise MediaError("invalid_image_url", f"{url!r} names host {parts.netloc!r}; a file URL "
                          "needs an absolute path: file:///abs/path.png")
-    return Path(urllib.request.url2pathname(parts.path)).resolve()
+    return Path(urllib.request.url2pathname(parts.path))
 
 
-def _read(source: _Source, max_bytes: int, timeout: float) -> bytes:
+def _read(source: _Source, max_bytes: int, policy: MediaPolicy) -> bytes:
     if source.kind == "file":
         return _read_file(source.value, max_bytes)
     if source.kind == "url":
-        return _fetch(source.value, max_bytes, timeout)
+        return _fetch(source.value, max_bytes, policy)
     if len(source.value) > max_bytes:
         raise _too_large(len(source.value), max_bytes)
     return source.value
 
 
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+          (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
+
+
+def _check_regular(st: os.stat_result, path: Path, max_bytes: int) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
+        raise MediaError("image_not_found", f"{path} is {kind}, not an image file; only "
+                         "regular files are read")
+    if st.st_size > max_bytes:
+        raise _too_large(st.st_size, max_bytes)
+
+
 def _stat_file(path: Path, max_bytes: int) -> os.stat_result:
+    """The stat of an allowed path; a path that is no regular file is refused without opening
+    it (opening a FIFO or a device could block or act)."""
     try:
         st = path.stat()
     except (FileNotFoundError, NotADirectoryError):
@@ -333,85 +387,323 @@ def _stat_file(path: Path, max_bytes: int) -> os.stat_result:
                          "against the input file's folder)") from None
     except OSError as e:
         raise MediaError("image_not_found", f"cannot read {path}: {e.strerror or e}") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise MediaError("image_not_found", f"{path} is a folder, not an image file")
-    if st.st_size > max_bytes:
-        raise _too_large(st.st_size, max_bytes)
+    _check_regular(st, path, max_bytes)
     return st
 
 
 def _read_file(path: Path, max_bytes: int) -> bytes:
     _stat_file(path, max_bytes)
     try:
-        with open(path, "rb") as f:
-            data = f.read(max_bytes + 1)
+        # The path is already resolved: a link here was swapped in since, so refuse it. And
+        # check what was opened, never blocking on it (a FIFO opened non-blocking returns).
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         raise MediaError("image_not_found", f"cannot read {path}: {e.strerror or e}") from None
-    if len(data) > max_bytes:
-        raise _too_large(len(data), max_bytes)
-    return data
-
-
-def _fetch(url: str, max_bytes: int, timeout: float) -> bytes:
-    fix = "download the image and reference it by local path or data URI"
     try:
-        host, port = _connect_host(url)
+        _check_regular(os.fstat(fd), path, max_bytes)
+        chunks = []
+        size = 0
+        while size <= max_bytes:
+            chunk = os.read(fd, max_bytes + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as e:
+        raise MediaError("image_not_found", f"cannot read {path}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if size > max_bytes:
+        raise _too_large(size, max_bytes)
+    return b"".join(chunks)
+
+
+# -- Fetching -------------------------------------------------------------------------------
+
+_FETCH_FIX = "download the image and reference it by local path or data URI"
+_REDIRECTS = (301, 302, 303, 307, 308)
+# Networks that carry another address inside an IPv6 one: check the address inside.
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_SHARED = ipaddress.ip_network("100.64.0.0/10")  # carrier-grade NAT
+
+
+def address_problem(address: str) -> str | None:
+    """Why an image URL may not connect to `address` ("a loopback address", ...) unless
+    private URLs are allowed; None for a public address."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return "an address that is not an IP address"
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        elif ip in _NAT64:
+            ip = ipaddress.IPv4Address(int(ip) & 0xFFFF_FFFF)
+    checks = (("is_unspecified", "an unspecified"), ("is_loopback", "a loopback"),
+              ("is_link_local", "a link-local"), ("is_multicast", "a multicast"),
+              ("is_reserved", "a reserved"), ("is_private", "a private"))
+    for attribute, kind in checks:
+        if getattr(ip, attribute):
+            return f"{kind} address"
+    if ip.version == 4 and ip in _SHARED:
+        return "a shared (carrier-grade NAT) address"
+    if not ip.is_global:
+        return "an address that is not public"
+    return None
+
+
+def _fetch(url: str, max_bytes: int, policy: MediaPolicy) -> bytes:
+    """GET `url`, following at most MAX_REDIRECTS redirects, each hop checked like the first,
+    all within the policy's deadline."""
+    deadline = time.monotonic() + policy.timeout
+    hop_url = url
+    for hop in range(MAX_REDIRECTS + 1):
+        body, location = _fetch_once(url, hop_url, hop, max_bytes, policy, deadline)
+        if location is None:
+            return body
+        hop_url = location
+    raise MediaError("image_unreachable", f"cannot fetch {url}: more than {MAX_REDIRECTS} "
+                     f"redirects; {_FETCH_FIX}")
+
+
+def _fetch_once(url: str, hop_url: str, hop: int, max_bytes: int, policy: MediaPolicy,
+                deadline: float) -> tuple[bytes, str | None]:
+    """One request: (body, None), or (b"", the absolute URL it redirects to). `url` is the
+    row's URL, the only one messages quote (a redirect's target is the server's content)."""
+    parts = urlsplit(hop_url)
+    try:
+        host, port = parts.hostname, parts.port
     except ValueError as e:
-        raise MediaError("invalid_image_url", f"{url!r} is not a valid URL ({e})") from None
-    problem = _resolve(host, port, timeout)
-    if problem:
-        raise MediaError("image_unreachable", f"cannot fetch {url}: {problem}; {fix}")
-    request = urllib.request.Request(url, headers={"User-Agent": "batchrun"})
+        host, port = None, e
+    if parts.scheme not in ("http", "https") or not host or isinstance(port, ValueError):
+        if hop:
+            raise MediaError("image_url_not_allowed", f"cannot fetch {url}: it redirects to a "
+                             "URL that is not http(s); image URLs may only lead to http(s)")
+        raise MediaError("invalid_image_url", f"{url!r} is not a valid URL (no host or a bad "
+                         "port)")
+    port = port or (443 if parts.scheme == "https" else 80)
+    where = url if not hop else f"{url} (after {hop} redirect{'s' * (hop > 1)})"
+    proxy = _proxy(parts)
+    if proxy is None or not policy.allow_private_urls:
+        addresses = _resolve(host if not hop else None, host, port, deadline, policy, where)
+        if not policy.allow_private_urls:
+            _check_addresses(addresses, url, hop)
+    if proxy is not None:  # connect to the proxy, not to the address checked above
+        addresses = _resolve(proxy[0], proxy[0], proxy[1], deadline, policy, where)
+    watch = _Watchdog(deadline)
+    connection = _connection(parts, host, port, addresses, proxy, watch)
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            length = response.headers.get("Content-Length", "")
-            if length.isdigit() and int(length) > max_bytes:
-                raise _too_large(int(length), max_bytes)
-            data = response.read(max_bytes + 1)
-    except urllib.error.HTTPError as e:
-        raise MediaError("image_unreachable", f"cannot fetch {url}: HTTP {e.code} {e.reason}; "
-                         f"check the URL or {fix}") from None
-    except urllib.error.URLError as e:
-        raise MediaError("image_unreachable", f"cannot fetch {url}: {e.reason}; {fix}") from None
-    except (OSError, HTTPException, ValueError) as e:  # timeouts, resets, TLS, bad replies
-        raise MediaError("image_unreachable", f"cannot fetch {url}: {e or type(e).__name__}; "
-                         f"{fix}") from None
-    if len(data) > max_bytes:
-        raise _too_large(len(data), max_bytes)
-    return data
+        host_header = _host_header(host, port, parts.scheme)
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        if proxy is not None and parts.scheme == "http":  # a proxy takes the absolute URL
+            target = f"http://{host_header}{target}"
+        connection.request("GET", target, headers={
+            "Host": host_header, "User-Agent": "batchrun",
+            "Accept": "image/*", **({"Proxy-Authorization": proxy[2]}
+                                    if proxy and proxy[2] and parts.scheme == "http" else {})})
+        response = connection.getresponse()
+        if response.status in _REDIRECTS and response.getheader("Location"):
+            return b"", urljoin(hop_url, response.getheader("Location"))
+        if response.status != 200:
+            raise MediaError("image_unreachable", f"cannot fetch {where}: HTTP "
+                             f"{_status(response.status)}; check the URL or {_FETCH_FIX}")
+        length = response.getheader("Content-Length", "")
+        if length.isdigit() and int(length) > max_bytes:
+            raise _too_large(int(length), max_bytes)
+        body = _read_body(response, max_bytes)
+        if watch.expired:  # the watchdog's shutdown reads as the end of the body
+            raise TimeoutError("the deadline passed")
+        if response.length:  # fewer bytes than Content-Length said
+            raise http.client.IncompleteRead(b"", response.length)
+        return body, None
+    except MediaError:
+        raise
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        raise _network_error(e, where, watch, policy) from None
+    finally:
+        watch.close()
+        connection.close()
 
 
-def _connect_host(url: str) -> tuple[str, int]:
-    """The host urllib will connect to: the URL's, or its proxy's."""
-    parts = urlsplit(url)
-    if not parts.hostname:
-        raise ValueError("no host")
+def _read_body(response: http.client.HTTPResponse, max_bytes: int) -> bytes:
+    chunks = []
+    size = 0
+    while size <= max_bytes:
+        chunk = response.read1(min(1 << 16, max_bytes + 1 - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    if size > max_bytes:
+        raise _too_large(size, max_bytes)
+    return b"".join(chunks)
+
+
+def _network_error(e: BaseException, where: str, watch: _Watchdog,
+                   policy: MediaPolicy) -> MediaError:
+    """A failed request, in words that quote nothing the server sent."""
+    if watch.expired or time.monotonic() >= watch.deadline:
+        problem = f"no complete answer within the {policy.timeout:g} s deadline " \
+                  "(--media-timeout)"
+    elif isinstance(e, http.client.InvalidURL):
+        problem = "the URL holds characters a request cannot carry"
+    elif isinstance(e, http.client.HTTPException):
+        problem = "the reply is not valid HTTP or ended early"
+    elif isinstance(e, ssl.SSLError):
+        problem = f"TLS failed ({e.reason or type(e).__name__})"
+    elif isinstance(e, OSError):
+        problem = e.strerror or str(e) or type(e).__name__
+    else:
+        problem = f"the request could not be made ({type(e).__name__})"
+    return MediaError("image_unreachable", f"cannot fetch {where}: {problem}; {_FETCH_FIX}")
+
+
+def _status(code: int) -> str:
+    """The code and its standard phrase (never the server's own reason text)."""
+    try:
+        return f"{code} {HTTPStatus(code).phrase}"
+    except ValueError:
+        return str(code)
+
+
+def _host_header(host: str, port: int, scheme: str) -> str:
+    name = f"[{host}]" if ":" in host else host
+    default = 443 if scheme == "https" else 80
+    return name if port == default else f"{name}:{port}"
+
+
+def _check_addresses(addresses: list[str], url: str, hop: int) -> None:
+    for address in addresses:
+        problem = address_problem(address)
+        if problem is not None:
+            where = "it redirects to a host that resolves" if hop else "its host resolves"
+            raise MediaError("image_url_not_allowed", f"cannot fetch {url}: {where} to "
+                             f"{problem}; image URLs may only reach public addresses (pass "
+                             "--allow-private-urls to allow loopback, private and link-local "
+                             "ones)")
+
+
+def _proxy(parts) -> tuple[str, int, str | None] | None:
+    """(host, port, Proxy-Authorization) of the environment's proxy for this URL, if any."""
     proxy = urllib.request.getproxies().get(parts.scheme)
-    if proxy and not urllib.request.proxy_bypass(parts.hostname):
-        parts = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
-    default = 443 if parts.scheme == "https" else 80
-    return parts.hostname or "", parts.port or default
+    if not proxy or urllib.request.proxy_bypass(parts.hostname):
+        return None
+    found = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    if not found.hostname:
+        return None
+    auth = None
+    if found.username:
+        secret = f"{unquote(found.username)}:{unquote(found.password or '')}".encode()
+        auth = "Basic " + base64.b64encode(secret).decode()
+    return found.hostname, found.port or 80, auth
 
 
-def _resolve(host: str, port: int, timeout: float) -> str | None:
-    """Why `host` does not resolve within `timeout`, or None. Name lookups ignore socket
-    timeouts and can hang for many seconds offline, so they run on a thread we stop waiting for.
-    """
+def _resolve(named: str | None, host: str, port: int, deadline: float, policy: MediaPolicy,
+             where: str) -> list[str]:
+    """The addresses `host` resolves to, within the deadline. Name lookups ignore socket
+    timeouts and can hang for many seconds offline, so they run on a thread we stop waiting
+    for. `named` is the host as messages may name it (None: a redirect's, left unnamed)."""
     done = threading.Event()
+    found: list[str] = []
     failure: list[str] = []
 
     def lookup() -> None:
         try:
-            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except (OSError, UnicodeError) as e:
-            failure.append(f"cannot resolve {host} ({e})")
+            for *_, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+                if sockaddr[0] not in found:
+                    found.append(sockaddr[0])
+        except Exception as e:  # OSError, UnicodeError; on this thread, nothing may escape
+            failure.append(f"{type(e).__name__}" if named is None else f"{e}")
         finally:
             done.set()
 
     threading.Thread(target=lookup, name="batchrun-resolve", daemon=True).start()
-    if not done.wait(timeout):
-        return f"resolving {host} took over {timeout:g} s (is this machine offline?)"
-    return failure[0] if failure else None
+    name = named or "the host it redirects to"
+    if not done.wait(max(0.0, deadline - time.monotonic())):
+        raise MediaError("image_unreachable", f"cannot fetch {where}: resolving {name} did not "
+                         f"finish within the {policy.timeout:g} s deadline (is this machine "
+                         f"offline?); {_FETCH_FIX}")
+    if failure or not found:
+        detail = f" ({failure[0]})" if failure else ""
+        raise MediaError("image_unreachable", f"cannot fetch {where}: cannot resolve "
+                         f"{name}{detail}; {_FETCH_FIX}")
+    return found
+
+
+class _Watchdog:
+    """Shuts a request's socket down when the image's deadline passes, so no run of slow reads
+    (a server that drips a byte a second, in its headers or its body) outlives the deadline."""
+
+    def __init__(self, deadline: float):
+        self.deadline = deadline
+        self.expired = False
+        self._fd = -1
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the deadline passed")
+        return left
+
+    def watch(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._fd = sock.fileno()
+            if self.expired:
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _expire(self) -> None:
+        with self._lock:  # the descriptor stays open while held: close() waits for the lock
+            self.expired = True
+            if self._fd < 0:
+                return
+            try:  # through a duplicate: the TLS layer may own the socket object
+                with socket.socket(fileno=os.dup(self._fd)) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Before the socket closes: its descriptor number may then name another file."""
+        with self._lock:
+            self._fd = -1
+        self._timer.cancel()
+
+
+def _connection(parts, host: str, port: int, addresses: list[str],
+                proxy: tuple[str, int, str | None] | None,
+                watch: _Watchdog) -> http.client.HTTPConnection:
+    """A connection that dials one of `addresses` (checked, or the proxy's), never resolving
+    the host again: a second lookup could answer differently (DNS rebinding). TLS still
+    verifies the certificate against the URL's host name, which is also the SNI."""
+    dial_port = proxy[1] if proxy is not None else port
+    if parts.scheme == "https":
+        connection = http.client.HTTPSConnection(host if proxy is None else proxy[0], dial_port,
+                                                 context=ssl.create_default_context())
+        if proxy is not None:
+            connection.set_tunnel(host, port, headers={"Proxy-Authorization": proxy[2]}
+                                  if proxy[2] else None)
+    else:
+        connection = http.client.HTTPConnection(host if proxy is None else proxy[0], dial_port)
+
+    def dial(address, timeout=None, source_address=None) -> socket.socket:
+        error: OSError | None = None
+        for ip in addresses:
+            try:
+                sock = socket.create_connection((ip, dial_port), timeout=watch.left())
+            except OSError as e:
+                error = e
+                continue
+            watch.watch(sock)
+            sock.settimeout(watch.left())
+            return sock
+        raise error or OSError("no address to connect to")
+
+    connection._create_connection = dial  # http.client's hook for opening the socket
+    return connection
 
 
 # -- Decoding -------------------------------------------------------------------------------
@@ -423,8 +715,8 @@ def _decode(data: bytes, max_pixels: int) -> LoadedImage:
         raise MediaError("image_too_large", f"{e}; resize the image") from None
     except UnidentifiedImageError:
         raise _unidentified(data) from None
-    except Exception as e:  # a damaged header PIL did not foresee
-        raise _corrupt(None, e) from None
+    except Exception:  # a damaged header PIL did not foresee
+        raise _corrupt(None) from None
     with source:
         width, height = source.size
         if width * height > max_pixels:
@@ -436,8 +728,8 @@ def _decode(data: bytes, max_pixels: int) -> LoadedImage:
             image = _to_rgb(ImageOps.exif_transpose(source))
         except Image.DecompressionBombError as e:
             raise MediaError("image_too_large", f"{e}; resize the image") from None
-        except Exception as e:  # truncated or damaged data: PIL raises many kinds
-            raise _corrupt(source.format, e) from None
+        except Exception:  # truncated or damaged data: PIL raises many kinds
+            raise _corrupt(source.format) from None
     width, height = image.size
     digest = hashlib.sha256(f"{width}x{height}:".encode())
     digest.update(image.tobytes())
@@ -461,18 +753,19 @@ def _to_rgb(image: Image.Image) -> Image.Image:
 def _unidentified(data: bytes) -> MediaError:
     for magic, name in _MAGIC:
         if data.startswith(magic):
-            return _corrupt(name, "its header could not be read")
+            return _corrupt(name)
     if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return _corrupt("WEBP", "its header could not be read")
-    return MediaError("unsupported_image", f"the data ({len(data)} bytes, starting "
-                      f"{data[:8]!r}) is not a {', '.join(FORMATS)} image; check that it "
-                      "points to an image file")
+        return _corrupt("WEBP")
+    # Neither its size nor its first bytes: the data may be a secret that is no image.
+    return MediaError("unsupported_image", f"the data is not a {', '.join(FORMATS)} image; "
+                      "check that it points to an image file")
 
 
-def _corrupt(kind: str | None, error: Any) -> MediaError:
+def _corrupt(kind: str | None) -> MediaError:
+    """Without the decoder's own message: it may quote bytes of the data."""
     what = f"the {kind} image" if kind else "the image"
     return MediaError("corrupt_image", f"{what} is damaged or truncated and could not be "
-                      f"decoded ({error}); re-export the image")
+                      "decoded; re-export the image")
 
 
 def _too_large(size: int, max_bytes: int) -> MediaError:

@@ -1,8 +1,15 @@
-"""Read and tokenize rows on a background thread, ahead of the engine.
+"""Read and build rows on background threads, ahead of the engine.
 
-Reading, JSON parsing, chat-template rendering and tokenization run here while the engine
-computes (MLX releases the GIL during evaluation), so the engine's loop only takes ready Tasks.
-The queue is bounded: memory stays flat however large the input is.
+One thread reads rows; one builds them (chat-template rendering, tokenization, the vision
+processor) while the engine computes (MLX releases the GIL), so the engine's loop only takes
+ready Tasks. A row with images goes to a small pool of fetch threads that load them (each image
+within its media deadline) and comes back to be built: a slow image holds up no other row, so
+rows may come out of input order (the sink orders records by index). At most `lookahead` rows
+are inside the feeder at once: memory stays flat however large the input is.
+
+Stopping never waits on a fetch: take() waits at most its `timeout` (the caller's loop goes on
+committing and sees Ctrl-C), and close() abandons fetch threads (daemons) stuck until their
+deadline.
 """
 
 from __future__ import annotations
@@ -13,56 +20,129 @@ import time
 from collections.abc import Callable, Iterator
 
 from batchrun.io.jsonl import RawRow
-from batchrun.job.rows import RowError, Task
+from batchrun.job.rows import ImagesPending, RowError, Task, defer_images, images_loaded
+
+FETCH_THREADS = 4  # image loads at once
+POLL_S = 0.1  # how often the reader, waiting for room, looks for a stop
+CLOSE_WAIT_S = 1.0  # close() waits at most this long for the reader and the builder
 
 _DONE = object()
 
 
 class Feeder:
     def __init__(self, rows: Iterator[RawRow], build: Callable[[RawRow], Task | RowError],
-                 lookahead: int):
+                 lookahead: int, fetch_threads: int = FETCH_THREADS):
         self._rows = rows
         self._build = build
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, lookahead))
+        self._room = threading.Semaphore(max(1, lookahead))  # rows inside, until taken
+        # The builder's inbox: ("row", raw), ("images", raw, loaded), ("end", error), ("stop",)
+        self._inbox: queue.Queue = queue.Queue()
+        self._fetches: queue.Queue = queue.Queue()  # (raw, ImagesPending); None: exit
+        self._ready: queue.Queue = queue.Queue()  # built items, then _DONE
         self._stop = threading.Event()
         self._error: BaseException | None = None
+        self._fetch_threads = max(1, fetch_threads)
+        self._fetchers_started = False
         self.exhausted = False
-        self._thread = threading.Thread(target=self._run, name="batchrun-feeder", daemon=True)
-        self._thread.start()
+        self._reader = self._start(self._read, "batchrun-reader")
+        self._builder = self._start(self._build_rows, "batchrun-feeder")
 
-    def _run(self) -> None:
+    @staticmethod
+    def _start(target: Callable[[], None], name: str) -> threading.Thread:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        return thread
+
+    def _read(self) -> None:
+        error = None
         try:
-            for raw in self._rows:
-                item = self._build(raw)
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
+            rows = iter(self._rows)
+            while self._wait_for_room():
+                raw = next(rows, _DONE)
+                if raw is _DONE:
+                    break
+                self._inbox.put(("row", raw))
+        except BaseException as e:  # surfaced to the caller by take()
+            error = e
+        self._inbox.put(("end", error))
+
+    def _wait_for_room(self) -> bool:
+        while not self._room.acquire(timeout=POLL_S):
+            if self._stop.is_set():
+                return False
+        return not self._stop.is_set()
+
+    def _build_rows(self) -> None:
+        defer_images()  # a row with images comes back through the fetch pool
+        fetching = 0
+        ended = False
+        try:
+            while not (ended and fetching == 0):
+                message = self._inbox.get()
                 if self._stop.is_set():
                     return
+                if message[0] == "end":
+                    ended = True
+                    if message[1] is not None:
+                        raise message[1]
+                    continue
+                raw = message[1]
+                if message[0] == "images":
+                    fetching -= 1
+                    with images_loaded(message[2]):
+                        item = self._build(raw)
+                else:
+                    try:
+                        item = self._build(raw)
+                    except ImagesPending as pending:
+                        fetching += 1
+                        self._start_fetchers()
+                        self._fetches.put((raw, pending))
+                        continue
+                self._ready.put(item)
         except BaseException as e:  # surfaced to the caller by take()
             self._error = e
-        finally:
-            self._queue.put(_DONE)
+        self._ready.put(_DONE)
 
-    def take(self, n: int, block: bool, linger: float = 0.0) -> list[Task | RowError]:
-        """Up to n ready items. With `block`, wait for the first one, then up to `linger`
-        seconds for more: an idle engine loses nothing by waiting, and rows admitted together
-        let the engine see which of them share a prompt prefix."""
+    def _start_fetchers(self) -> None:
+        if not self._fetchers_started:
+            self._fetchers_started = True
+            for i in range(self._fetch_threads):
+                self._start(self._fetch, f"batchrun-fetch-{i}")
+
+    def _fetch(self) -> None:
+        while True:
+            job = self._fetches.get()
+            if job is None or self._stop.is_set():
+                return
+            raw, pending = job
+            try:
+                loaded = pending.load()
+            except Exception as e:  # the row's error (MediaError), raised where it is built
+                loaded = e
+            self._inbox.put(("images", raw, loaded))
+
+    def take(self, n: int, block: bool, linger: float = 0.0,
+             timeout: float | None = None) -> list[Task | RowError]:
+        """Up to n ready items. With `block`, wait up to `timeout` seconds (None: until one
+        comes) for the first one, then up to `linger` seconds for more: an idle engine loses
+        nothing by waiting, and rows admitted together let the engine see which of them share
+        a prompt prefix."""
         items: list[Task | RowError] = []
+        first = None if timeout is None else time.monotonic() + timeout
         deadline = None
         while len(items) < n and not self.exhausted:
-            if not items:
-                wait, timeout = block, None
-            else:
+            if items:
                 if deadline is None:
                     deadline = time.monotonic() + (linger if block else 0.0)
-                timeout = deadline - time.monotonic()
-                wait = timeout > 0
+                wait = deadline - time.monotonic()
+            elif block:
+                wait = None if first is None else first - time.monotonic()
+            else:
+                wait = 0.0
             try:
-                item = self._queue.get(block=wait, timeout=timeout if wait else None)
+                item = self._ready.get(timeout=wait) if wait is None or wait > 0 else \
+                    self._ready.get_nowait()
             except queue.Empty:
                 break
             if item is _DONE:
@@ -70,14 +150,17 @@ class Feeder:
                 if self._error is not None:
                     raise self._error
                 break
+            self._room.release()
             items.append(item)
         return items
 
     def close(self) -> None:
+        """Stop the threads. Waits a moment for the reader and the builder, never for a fetch:
+        its thread is left to end at its deadline."""
         self._stop.set()
-        while True:  # unblock a producer waiting on a full queue
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
-        self._thread.join(timeout=5)
+        self._inbox.put(("stop",))
+        for _ in range(self._fetch_threads):
+            self._fetches.put(None)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        for thread in (self._builder, self._reader):
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -8,11 +8,18 @@ fields override the job's defaults. Row id: `custom_id`, else `id`, else `--id-c
 A row's answer may be constrained by OpenAI's `response_format` (json_object, json_schema) or
 by vLLM's `guided_json`, `guided_regex`, `guided_choice`; else by the job's `--json-schema`,
 `--regex` or `--choices`. `n` asks for several samples of one row.
+
+Image loading may wait on the network (up to the media deadline): on a thread that called
+defer_images() (the feeder's builder), a row that needs images raises ImagesPending instead, so
+its images load elsewhere and the row is built again inside images_loaded().
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +50,11 @@ class RowOptions:
     images: Any = None  # io.media.ImageCache
     base_dir: Path = Path(".")
     image_column: str | None = None
+    # What image references may reach (io.media.MediaPolicy): folders besides base_dir
+    # (--media-root), loopback and private addresses, and seconds per image.
+    media_roots: tuple[Path, ...] = ()
+    allow_private_urls: bool = False
+    media_timeout: float = 30.0  # io.media.MEDIA_TIMEOUT
 
 
 @dataclass(slots=True)
@@ -80,6 +92,34 @@ class RowRejected(Exception):
     def __init__(self, code: str, message: str):
         super().__init__(message)
         self.code = code
+
+
+class ImagesPending(Exception):
+    """Raised by build_task on a thread that defers image loading: the row needs images.
+    `load()` loads them (it may take the media deadline); build the row again inside
+    `images_loaded(what load returned or raised)`."""
+
+    def __init__(self, load: Callable[[], list]):
+        super().__init__("the row's images are not loaded yet")
+        self.load = load
+
+
+_images = threading.local()  # .deferred: this thread defers; .loaded: the row's images
+
+
+def defer_images() -> None:
+    """From now on, build_task on this thread raises ImagesPending rather than load images."""
+    _images.deferred = True
+
+
+@contextmanager
+def images_loaded(loaded: list | Exception) -> Iterator[None]:
+    """Build a row with its images already loaded (or with the error loading them raised)."""
+    _images.loaded = loaded
+    try:
+        yield
+    finally:
+        _images.loaded = None
 
 
 def explicit_id(value: Any, id_column: str | None) -> str | None:
@@ -229,17 +269,43 @@ def _with_images(messages: list, refs: list[tuple[str, object]], body: dict, pro
                           "this row has images but the model is a text model: pass --model "
                           "with a vision-language model (or --vision to force the vision path)")
     try:
-        images = [options.images.load(ref, options.base_dir, where) for where, ref in refs]
-        if column_image is not None:
-            images.insert(0, options.images.load(column_image, options.base_dir,
-                                                 options.image_column))
-            messages = _prepend_image(messages)
-        check_image_count(len(images), prompts.max_images, _messages_field(openai))
+        check_image_count(len(refs) + (column_image is not None), prompts.max_images,
+                          _messages_field(openai))
+        images = _row_images(refs, column_image, options)
     except MediaError as e:
         raise RowRejected(e.code, str(e)) from None
+    if column_image is not None:
+        messages = _prepend_image(messages)
     kwargs = body.get("chat_template_kwargs")
     inputs = prompts.prepare(messages, images, body.get("tools"), kwargs)
     return inputs.input_ids, inputs
+
+
+def _row_images(refs: list[tuple[str, object]], column_image: Any, options: RowOptions) -> list:
+    """The row's images (the image column's first), loaded here, or handed over by the feeder
+    (images_loaded), or deferred to it (ImagesPending)."""
+    loaded = getattr(_images, "loaded", None)
+    if loaded is None:
+        def load() -> list:
+            return _load_images(refs, column_image, options)
+
+        if getattr(_images, "deferred", False):
+            raise ImagesPending(load)
+        return load()
+    if isinstance(loaded, Exception):
+        raise loaded
+    return loaded
+
+
+def _load_images(refs: list[tuple[str, object]], column_image: Any, options: RowOptions) -> list:
+    from batchrun.io.media import MediaPolicy
+
+    policy = MediaPolicy(options.media_roots, options.allow_private_urls, options.media_timeout)
+    images = [options.images.load(ref, options.base_dir, where, policy) for where, ref in refs]
+    if column_image is not None:
+        images.insert(0, options.images.load(column_image, options.base_dir,
+                                             options.image_column, policy))
+    return images
 
 
 def _prepend_image(messages: list) -> list:

@@ -373,7 +373,8 @@ class JobRunner(RowWork):
             while not self._interrupted:
                 idle = not engine.has_work()
                 for item in feeder.take(target - engine.num_waiting, block=idle,
-                                        linger=FILL_LINGER_S):
+                                        linger=FILL_LINGER_S,
+                                        timeout=COMMIT_INTERVAL_S / 10):  # tick, see Ctrl-C
                     self._submit(item, sink, bar)
                 if not engine.has_work() and feeder.exhausted:
                     break
