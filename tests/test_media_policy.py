@@ -459,8 +459,9 @@ def test_no_response_content_is_quoted(tmp_path, serve):
         server = serve(reply)
         message = refused(code, f"http://127.0.0.1:{server.port}/x.png", tmp_path, LOOPBACK)
         assert expected in message, name
-        assert SECRET not in message and "admin" not in message and str(len(body)) not in \
-            message, name
+        # The URL (with its random port) is the message's own; only the rest may not leak.
+        said = message.replace(f"127.0.0.1:{server.port}", "")
+        assert SECRET not in said and "admin" not in said and str(len(body)) not in said, name
 
 
 def test_a_proxy_is_connected_to_and_the_target_still_checked(tmp_path, serve, dns, dialed,
