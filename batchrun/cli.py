@@ -1,13 +1,14 @@
 """The `batchrun` command line: a thin layer over the job runner.
 
 Exit codes: 0 every row has a result or an error record; 1 a fatal error (progress kept);
-2 a usage error; 130 interrupted by Ctrl-C (progress kept).
+2 a usage error; 130 interrupted by Ctrl-C, 143 stopped by SIGTERM (progress kept).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import tomllib
 from pathlib import Path
@@ -148,7 +149,7 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
         opts = _merge_job_file(ctx, input_path, opts)
         input_path = opts.pop("input")
     if not input_path.is_file():
-        raise _fail(f"input file not found: {input_path}")
+        raise _fail(f"input file not found: {input_path}", code=2)
     debug = opts.pop("debug")
     moved = opts.pop("_output_follows_job_dir", False)
     if job_file and not opts["job_dir"]:
@@ -170,11 +171,12 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
     resume = resume_command(sys.argv[2:])
     try:
         report = runner.run()
-    except Interrupted:
+    except Interrupted as e:
         click.echo(rp.summary_text(runner.report), err=True)
-        click.echo(f"interrupted: progress is saved in {job_dir}\n  resume with: {resume}",
+        how = "interrupted" if e.signum == signal.SIGINT else f"stopped by {e}"
+        click.echo(f"{how}: progress is saved in {job_dir}\n  resume with: {resume}",
                    err=True)
-        ctx.exit(130)
+        ctx.exit(128 + e.signum)
     except JobError as e:
         raise _fail(str(e), code=e.exit_code) from None
     except OSError as e:
@@ -245,7 +247,7 @@ def _quote(arg: str) -> str:
 def _merge_job_file(ctx: click.Context, path: Path, opts: dict) -> dict:
     """Job-file values for the options not given on the command line."""
     if not path.is_file():
-        raise _fail(f"job file not found: {path}")
+        raise _fail(f"job file not found: {path}", code=2)
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
@@ -288,6 +290,7 @@ def status(job_dir: Path) -> None:
     from batchrun.job.state import JobLock
 
     manifest, report = _read_job(job_dir)
+    _saved_progress(job_dir)  # a damaged state.json is said here as under `report`
     lock = JobLock(job_dir)
     running = not lock.acquire()
     if not running:
@@ -306,16 +309,11 @@ def status(job_dir: Path) -> None:
 def report(job_dir: Path) -> None:
     """Print the job's report; rewrite report.json and report.html."""
     from batchrun.job import report as rp
-    from batchrun.job.state import DamagedFile, JobState
 
     manifest, saved = _read_job(job_dir)
     if saved is None:
         raise _fail(f"{job_dir} has no report yet", "run the job first: batchrun run INPUT")
-    try:
-        progress = JobState(job_dir, job_dir / "results.jsonl", job_dir / "errors.jsonl").saved()
-    except DamagedFile as e:
-        raise _fail(str(e), "resume the job with batchrun run: it rebuilds its state from the "
-                    "files") from None
+    progress = _saved_progress(job_dir)
     if progress is None:
         raise _fail(f"{job_dir} has no state.json", "resume the job with batchrun run")
     fresh = rp.build_report(manifest, progress, saved["rows_total"], saved["runs"],
@@ -323,6 +321,17 @@ def report(job_dir: Path) -> None:
     rp.write_report(job_dir, fresh)
     click.echo(rp.summary_text(fresh))
     click.echo(f"report:     {job_dir / 'report.html'}")
+
+
+def _saved_progress(job_dir: Path):
+    """state.json's progress (None before the first commit); one line (exit 1) if damaged."""
+    from batchrun.job.state import DamagedFile, JobState
+
+    try:
+        return JobState(job_dir, job_dir / "results.jsonl", job_dir / "errors.jsonl").saved()
+    except DamagedFile as e:
+        raise _fail(str(e), "resume the job with batchrun run: it rebuilds its state from the "
+                    "files") from None
 
 
 def _read_job(job_dir: Path) -> tuple[dict, dict | None]:

@@ -92,7 +92,6 @@ def test_fatal_problems_exit_1_with_a_hint_and_no_traceback(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     cases = [
-        (["run", tmp_path / "missing.jsonl"], "input file not found"),
         (["run", empty, "--job-dir", tmp_path / "j1"], "has no rows"),
         (["run", rows, "--model", tmp_path / "nope", "--job-dir", tmp_path / "j2"],
          "model folder not found"),
@@ -105,6 +104,15 @@ def test_fatal_problems_exit_1_with_a_hint_and_no_traceback(tmp_path):
         assert result.exit_code == 1, (args, result.output)
         assert message in result.output, (args, result.output)
         assert "Traceback" not in result.output
+
+
+def test_a_missing_input_or_job_file_is_a_usage_error(tmp_path):
+    for name, message in (("missing.jsonl", "input file not found"),
+                          ("missing.toml", "job file not found")):
+        result = invoke("run", tmp_path / name, "--quiet")
+        assert result.exit_code == 2, (name, result.output)
+        assert message in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "jobs").exists()
 
 
 def test_disk_full_stops_cleanly_and_the_rerun_completes(tmp_path, monkeypatch):

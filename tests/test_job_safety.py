@@ -4,6 +4,7 @@ files or inputs give one clear line."""
 
 import gzip
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -158,16 +159,10 @@ def finished(tmp_path_factory):
 
 
 def _copy_job(finished, tmp_path) -> tuple[Path, Path]:
+    """The finished job copied elsewhere as it is (a job folder may be copied or moved)."""
     path, job, results, errors = finished
     new = tmp_path / "job"
-    new.mkdir()
-    for name in ("state.json", "results.jsonl", "errors.jsonl", "report.json"):
-        (new / name).write_bytes((job / name).read_bytes())
-    manifest = orjson.loads((job / "job.json").read_bytes())  # the same job, moved
-    manifest["output"] = manifest["options"]["output"] = str((new / "results.jsonl").resolve())
-    (new / "job.json").write_bytes(orjson.dumps(manifest))
-    # The copy owns its results file (the marker names its folder).
-    (new / ".results.jsonl.batchrun").write_bytes(orjson.dumps({"job_dir": str(new.resolve())}))
+    shutil.copytree(job, new)
     return path, new
 
 
@@ -259,9 +254,9 @@ def test_damaged_report_or_state_is_one_line_for_status_and_report(tmp_path, nam
     result = _invoke("report", job)
     assert result.exit_code == 1 and f"{name} is damaged" in result.output
     assert "Traceback" not in result.output
-    if name == "report.json":
-        result = _invoke("status", job)
-        assert result.exit_code == 1 and "report.json is damaged" in result.output
+    result = _invoke("status", job)  # status says the same, with the same exit code
+    assert result.exit_code == 1 and f"{name} is damaged" in result.output
+    assert "Traceback" not in result.output
     run(rows, "--job-dir", job)  # a resume rewrites it
     assert _invoke("report", job).exit_code == 0
 
@@ -278,7 +273,141 @@ def test_a_fifo_as_state_json_does_not_hang(tmp_path):
     assert (job / "results.jsonl").read_bytes() == results
 
 
+@pytest.mark.parametrize("name", ["results.jsonl", "errors.jsonl", "spill.jsonl"])
+def test_a_fifo_among_the_files_a_job_appends_to_is_one_line_not_a_hang(tmp_path, name):
+    rows = rows_file(tmp_path)
+    job = tmp_path / "job"
+    run(rows, "--job-dir", job)
+    (job / name).unlink(missing_ok=True)
+    os.mkfifo(job / name)
+    proc = _cli("run", rows, "--job-dir", job, "--quiet")
+    assert proc.returncode == (2 if name == "results.jsonl" else 1), proc.stderr
+    assert f"{name} is a FIFO" in proc.stderr and "Traceback" not in proc.stderr
+    assert "model:" not in proc.stderr  # said before the model loads
+    (job / name).unlink()
+    run(rows, "--job-dir", job)  # removed as told: the job goes on
+    assert len(jsonl(job / "results.jsonl")) == 12
+
+
+def test_state_json_as_a_folder_is_named_with_the_fix(tmp_path):
+    rows = rows_file(tmp_path)
+    job = tmp_path / "job"
+    run(rows, "--job-dir", job)
+    results = (job / "results.jsonl").read_bytes()
+    (job / "state.json").unlink()
+    (job / "state.json").mkdir()
+    out = run(rows, "--job-dir", job, code=1)
+    assert f"{job / 'state.json'} is a folder: remove it" in out.output
+    assert ".tmp" not in out.output and "Traceback" not in out.output
+    (job / "state.json").rmdir()
+    out = run(rows, "--job-dir", job)
+    assert (job / "results.jsonl").read_bytes() == results
+
+
+def test_an_output_that_is_a_link_is_refused_in_one_line(tmp_path):
+    rows = rows_file(tmp_path)
+    dangling = tmp_path / "out.jsonl"
+    dangling.symlink_to(tmp_path / "elsewhere.jsonl")
+    out = run(rows, "-o", dangling, "--job-dir", tmp_path / "a", code=2)
+    assert "is a symbolic link" in out.output
+    assert not (tmp_path / "elsewhere.jsonl").exists() and dangling.is_symlink()
+    loop = tmp_path / "loop.jsonl"
+    loop.symlink_to(loop)
+    out = run(rows, "-o", loop, "--job-dir", tmp_path / "b", code=2)
+    assert "is a symbolic link" in out.output and "Traceback" not in out.output
+    job = tmp_path / "c"  # the job's own results file replaced by a link to itself
+    run(rows, "--job-dir", job)
+    (job / "results.jsonl").unlink()
+    (job / "results.jsonl").symlink_to(job / "results.jsonl")
+    out = run(rows, "--job-dir", job, code=2)
+    assert "results.jsonl is a symbolic link" in out.output and "Traceback" not in out.output
+
+
+def test_a_folder_that_is_not_a_jobs_is_never_taken_over(tmp_path):
+    rows = rows_file(tmp_path)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "report.html").write_text("my own report")
+    (mine / "errors.jsonl").write_text('{"mine": 1}\n')
+    for extra in ((), ("--restart",)):
+        out = run(rows, "--job-dir", mine, *extra, code=2)
+        assert "is not a batchrun job folder but holds errors.jsonl, report.html" in out.output
+    assert sorted(p.name for p in mine.iterdir()) == ["errors.jsonl", "report.html"]
+    assert (mine / "report.html").read_text() == "my own report"
+
+
+def test_job_folders_do_not_nest(tmp_path, monkeypatch):
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    rows = rows_file(here)
+    run(rows, "--job-dir", ".")  # a job whose folder is the working folder
+    other = rows_file(here, 5, "other.jsonl")
+    out = run(other, code=2)  # its default folder jobs/other would be inside it
+    assert "is inside the job folder" in out.output and "--job-dir outside it" in out.output
+    run(other, "--job-dir", tmp_path / "beside")  # elsewhere it runs
+    run(rows, "--job-dir", ".")  # and the first job still resumes
+    above = tmp_path / "above"
+    above.mkdir()
+    run(other, "--job-dir", above / "jobs" / "x")
+    out = run(other, "--job-dir", above, code=2)  # a new job over existing job folders
+    assert f"holds the job folder {above / 'jobs' / 'x'}" in out.output
+
+
+def test_a_copied_or_moved_job_folder_resumes_without_computing_again(tmp_path):
+    rows = rows_file(tmp_path)
+    job = tmp_path / "job"
+    run(rows, "--job-dir", job)
+    results = (job / "results.jsonl").read_bytes()
+    shutil.copytree(job, tmp_path / "copy")
+    job.rename(tmp_path / "moved")
+    for folder in (tmp_path / "copy", tmp_path / "moved"):
+        out = run(rows, "--job-dir", folder)
+        assert "warning" not in out.output
+        assert (folder / "results.jsonl").read_bytes() == results
+        report = orjson.loads((folder / "report.json").read_bytes())
+        assert report["runs"][-1]["rows_done"] == 0 and report["rows_done"] == 12
+
+
+def test_an_output_whose_job_folder_was_deleted_says_how_to_adopt_it(tmp_path):
+    rows = rows_file(tmp_path)
+    out_file = tmp_path / "labels.jsonl"
+    run(rows, "-o", out_file, "--job-dir", tmp_path / "gone")
+    shutil.rmtree(tmp_path / "gone")
+    out = run(rows, "-o", out_file, "--job-dir", tmp_path / "new", code=2)
+    assert "which no longer exists" in out.output and ".labels.jsonl.batchrun" in out.output
+    (tmp_path / ".labels.jsonl.batchrun").unlink()
+    out_file.unlink()
+    run(rows, "-o", out_file, "--job-dir", tmp_path / "new")
+    assert len(jsonl(out_file)) == 12
+
+
+def test_sigterm_stops_like_ctrl_c_with_exit_143(tmp_path):
+    rows = write_rows(tmp_path / "rows.jsonl", [{"custom_id": f"r{i}", "prompt": f"row {i}",
+                                                 "max_tokens": 40} for i in range(300)])
+    job = tmp_path / "job"
+    proc = subprocess.Popen([sys.executable, "-m", "batchrun", "run", str(rows), "--job-dir",
+                             str(job), "--quiet", "--max-concurrency", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait(lambda: _lines(job / "results.jsonl") >= 10, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert "stopped by SIGTERM" in err and "resume with:" in err and "Traceback" not in err
+    state = orjson.loads((job / "state.json").read_bytes())
+    assert state["rows_done"] >= _lines(job / "results.jsonl") >= 10  # the last commit ran
+    out = run(rows, "--job-dir", job, "--max-concurrency", "4")
+    assert "warning" not in out.output
+    assert [r["custom_id"] for r in jsonl(job / "results.jsonl")] == [f"r{i}" for i in range(300)]
+
+
 # -- helpers -----------------------------------------------------------------------------------
+
+def _cli(*args, timeout: float = 120):
+    """batchrun in a child process (a hang fails the test instead of stopping the suite)."""
+    return subprocess.run([sys.executable, "-m", "batchrun", *map(str, args)], text=True,
+                          capture_output=True, timeout=timeout)
+
 
 def _invoke(*args):
     from click.testing import CliRunner

@@ -208,17 +208,18 @@ def test_row_groups_are_written_as_rows_are_committed(tmp_path, monkeypatch):
     monkeypatch.setattr(pq.ParquetWriter, "write_table", spy)
     output = job.output()
     output.advance(BATCH_ROWS - 1)
-    assert written == [] and not output.tmp.exists()
+    assert written == [] and output.tmp is None
     output.advance(BATCH_ROWS + 500)
     assert written == [BATCH_ROWS]
-    size = output.tmp.stat().st_size
+    tmp = output.tmp
+    size = tmp.stat().st_size
     output.advance(2 * BATCH_ROWS + 10)
     assert written == [BATCH_ROWS, BATCH_ROWS]
-    assert output.tmp.stat().st_size > size > 0  # on disk, not held in memory
+    assert tmp.stat().st_size > size > 0  # on disk, not held in memory
     assert not job.out.exists()
     output.finish()
     assert written == [BATCH_ROWS, BATCH_ROWS, 52]
-    assert not output.tmp.exists()
+    assert not tmp.exists()
     meta = pq.ParquetFile(job.out).metadata
     assert [meta.row_group(i).num_rows for i in range(3)] == [BATCH_ROWS, BATCH_ROWS, 52]
     rows = pq.read_table(job.out).to_pylist()
@@ -292,7 +293,7 @@ def test_a_missing_record_fails_instead_of_writing_a_short_file(tmp_path):
     with pytest.raises(RuntimeError, match="row 1 has no committed record"):
         output.finish()
     output.close()
-    assert not job.out.exists() and not output.tmp.exists()
+    assert not job.out.exists() and not list(tmp_path.glob(f".{job.out.name}*"))
 
 
 # -- refused before any work -----------------------------------------------------------------
@@ -346,3 +347,18 @@ def test_cli_parquet_output_keeps_bad_rows_late_columns_and_mixed_types(tmp_path
         assert row["error"] is None and isinstance(row["text"], str)
         assert 0 < row["completion_tokens"] <= 4
     assert not (tmp_path / ".out.parquet.partial").exists()
+
+
+def test_the_temp_file_is_never_written_through_a_planted_link(tmp_path):
+    job = Job(tmp_path, [{"prompt": f"p{i}"} for i in range(BATCH_ROWS + 3)])
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"keep me")
+    for name in (f".{job.out.name}.partial", f".{job.out.name}.x1.partial"):
+        (job.out.parent / name).symlink_to(victim)  # the old fixed name, and a stale-looking one
+    output = job.output()
+    output.advance(BATCH_ROWS)
+    assert not output.tmp.is_symlink() and output.tmp.parent == job.out.parent
+    output.finish()
+    assert victim.read_bytes() == b"keep me"
+    assert pq.read_table(job.out).num_rows == BATCH_ROWS + 3
+    assert not list(job.out.parent.glob(f".{job.out.name}*partial"))  # stale links cleared

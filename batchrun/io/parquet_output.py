@@ -4,7 +4,8 @@ every column seen in any row.
 The schema is fixed before any compute. Parquet input keeps its own; JSONL input is pre-scanned
 (streaming) for the union of its columns in order of first appearance, one type per column:
 a column whose values change type is a string column. Row groups of BATCH_ROWS rows are appended
-to a temp file beside the output as the committed prefix of the job's ordered results and errors
+to a temp file beside the output (created exclusively under a random name, never through a
+link) as the committed prefix of the job's ordered results and errors
 files grows; `finish` replaces the output with it atomically. A resumed job starts a new
 ParquetOutput from row 0, so the file never depends on where earlier runs stopped.
 """
@@ -12,6 +13,8 @@ ParquetOutput from row 0, so the file never depends on where earlier runs stoppe
 from __future__ import annotations
 
 import os
+import stat
+import tempfile
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -59,7 +62,9 @@ class ParquetOutput:
             raise ValueError(f"cannot write {self.out}: it is a folder")
         if not self.out.parent.is_dir():
             raise ValueError(f"cannot write {self.out}: folder {self.out.parent} does not exist")
-        self.tmp = self.out.with_name(f".{self.out.name}.partial")
+        self.tmp: Path | None = None  # created with the first row group
+        self._tmp_file: IO[bytes] | None = None
+        _remove_stale_partials(self.out)
         if Path(input_path).name.endswith(".parquet"):
             self._input: _ParquetRows | _JsonlRows = _ParquetRows(Path(input_path))
         else:
@@ -85,12 +90,14 @@ class ParquetOutput:
         while self._write_group() == BATCH_ROWS:
             pass
         if self._writer is None:  # an input without rows: still a file with the schema
-            self._writer = pq.ParquetWriter(self.tmp, self.schema)
+            self._open_writer()
         self._writer.close()
         self._writer = None
-        with open(self.tmp, "rb") as f:
-            os.fsync(f.fileno())
+        self._tmp_file.flush()
+        os.fsync(self._tmp_file.fileno())
+        self._tmp_file.close()
         os.replace(self.tmp, self.out)
+        self.tmp = None
         _fsync_folder(self.out.parent)
         self.close()
 
@@ -103,7 +110,17 @@ class ParquetOutput:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-        self.tmp.unlink(missing_ok=True)
+        if self._tmp_file is not None:
+            self._tmp_file.close()
+        if self.tmp is not None:
+            self.tmp.unlink(missing_ok=True)
+
+    def _open_writer(self) -> None:
+        fd, name = tempfile.mkstemp(dir=self.out.parent, prefix=f".{self.out.name}.",
+                                    suffix=PARTIAL)
+        self.tmp = Path(name)
+        self._tmp_file = os.fdopen(fd, "wb")
+        self._writer = pq.ParquetWriter(self._tmp_file, self.schema)
 
     def _write_group(self) -> int:
         """Append the next row group of up to BATCH_ROWS rows; returns how many it holds."""
@@ -117,7 +134,7 @@ class ParquetOutput:
                    for name, type_ in OUTPUT_COLUMNS]
         table = pa.Table.from_arrays([*rows.columns, *results], schema=self.schema)
         if self._writer is None:
-            self._writer = pq.ParquetWriter(self.tmp, self.schema)
+            self._open_writer()
         self._writer.write_table(table, row_group_size=BATCH_ROWS)
         self.rows_written += table.num_rows
         return table.num_rows
@@ -346,6 +363,20 @@ def flat_result(r: dict) -> dict:
 def _one_line(e: BaseException) -> str:
     text = (getattr(e, "strerror", None) or str(e)).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+PARTIAL = ".partial"
+
+
+def _remove_stale_partials(out: Path) -> None:
+    """Temp files an earlier, killed run of this output's job left (the job owns the output and
+    holds its lock, so no one else writes them)."""
+    for path in out.parent.glob(f".{out.name}.*{PARTIAL[1:]}"):  # also the old fixed name
+        try:
+            if stat.S_ISREG(os.lstat(path).st_mode) or path.is_symlink():
+                path.unlink()
+        except OSError:
+            pass  # not ours to remove after all; it does no harm
 
 
 def _fsync_folder(folder: Path) -> None:

@@ -294,11 +294,11 @@ class RayJobRunner(JobRunner):
         # here, a second signal's KeyboardInterrupt included, stops the cluster we started.
         main_thread = threading.current_thread() is threading.main_thread()
         if main_thread:
-            previous_sigterm = signal.signal(signal.SIGTERM, self._on_sigint)
+            previous_sigterm = signal.signal(signal.SIGTERM, self._on_signal)
         try:
             self._start_ray()
             if main_thread:  # ray.init put its own (crash-report-and-die) handler in
-                signal.signal(signal.SIGTERM, self._on_sigint)
+                signal.signal(signal.SIGTERM, self._on_signal)
             return super()._run(progress)
         finally:
             try:

@@ -71,6 +71,7 @@ def recover(state: JobState, rows: Iterator[RawRow], expected_id: Callable[[RawR
         if in_order:
             record = _next_in_order(raw.index, want_id, results, errors)
             if record is not None:
+                spill.pop(raw.index, None)  # spilled, then written in order: no longer needed
                 _count(progress, record)
                 progress.next_index += 1
                 on_done(raw)
@@ -92,7 +93,7 @@ def recover(state: JobState, rows: Iterator[RawRow], expected_id: Callable[[RawR
     _cut(state.errors_path, errors.used)
     progress.spill_bytes = _rewrite_spill(state.spill_path, [kept[i] for i in spill_order
                                                              if i in kept], limits["spill_bytes"])
-    if saved is not None and dataclasses.asdict(saved) != dataclasses.asdict(progress):
+    if saved is not None and _counted(saved) != _counted(progress):
         problems.append(_difference(saved, progress))
     state.progress = progress
     return Recovery(progress, kept, problems)
@@ -232,8 +233,14 @@ def _cut(path: Path, size: int) -> None:
             os.fsync(f.fileno())
 
 
+def _counted(progress: Progress) -> dict:
+    """What state.json must agree with the files on (the spill is compacted on resume: rows
+    it held that reached the ordered files are dropped from it)."""
+    return {k: v for k, v in dataclasses.asdict(progress).items() if k != "spill_bytes"}
+
+
 def _difference(saved: Progress, found: Progress) -> str:
-    a, b = dataclasses.asdict(saved), dataclasses.asdict(found)
+    a, b = _counted(saved), _counted(found)
     changed = ", ".join(f"{k} {a[k]:,} -> {b[k]:,}" for k in a if a[k] != b[k])
     return f"state.json disagreed with the files ({changed})"
 

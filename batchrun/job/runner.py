@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import os
 import signal
 import threading
 import time
@@ -42,6 +43,7 @@ log = logging.getLogger("batchrun")
 COMMIT_INTERVAL_S = 1.0
 FILL_LINGER_S = 0.05  # an idle engine waits this long for more rows to admit together
 PROGRESS_INTERVAL_S = 0.5
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 DONE_CACHE_SIZE = 4096  # recent outputs kept for identical rows further down the input
 
 
@@ -58,7 +60,11 @@ class JobConflict(JobError):
 
 
 class Interrupted(Exception):
-    """Ctrl-C: progress was committed; the job can be resumed."""
+    """Ctrl-C or SIGTERM: progress was committed; the job can be resumed."""
+
+    def __init__(self, signum: int = signal.SIGINT):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 @dataclass(slots=True)
@@ -71,6 +77,7 @@ class JobSpec:
     restart: bool = False
     quiet: bool = False
     _input_fingerprint: dict | None = None
+    _rows_total: int | None = None
 
     @property
     def input_fingerprint(self) -> dict:
@@ -78,6 +85,18 @@ class JobSpec:
         if self._input_fingerprint is None:
             self._input_fingerprint = mf.input_fingerprint(self.input)
         return self._input_fingerprint
+
+    @property
+    def rows_total(self) -> int:
+        """How many rows the input holds (counted once); JobError if it is damaged or empty."""
+        if self._rows_total is None:
+            try:
+                self._rows_total = count_rows(self.input)
+            except InputError as e:
+                raise JobError(str(e)) from None
+            if self._rows_total == 0:
+                raise JobError(f"{self.input} has no rows")
+        return self._rows_total
 
     @property
     def parquet_output(self) -> bool:
@@ -98,7 +117,7 @@ class JobSpec:
         options = {"sampling": dataclasses.asdict(r.defaults), "system": r.system,
                    "prompt_template": r.prompt_template, "id_column": r.id_column, "n": r.n,
                    "image_column": r.image_column,
-                   "output": str(self.output.resolve())}
+                   "output": _relative_output(self.output, self.job_dir)}
         return orjson.loads(orjson.dumps(options))  # as job.json stores it (tuples are lists)
 
 
@@ -112,19 +131,54 @@ def saved_manifest(job_dir: Path) -> dict | None:
 
 def check_paths(spec: JobSpec) -> None:
     """Refuse, before any work (the model is not loaded yet), an output this job may not
-    write (job/ownership.py) and a job folder that holds another input or options."""
+    write, a folder that may not be its job folder (job/ownership.py), job files that are not
+    regular files, and a job folder that holds another input or options."""
+    spec.rows_total  # noqa: B018  (a damaged or empty input is said before the model loads)
     manifest = saved_manifest(spec.job_dir)
-    owned = manifest is not None and manifest.get("output") == str(spec.output.resolve())
     try:
+        ownership.check_output_file(spec.output)  # before anything resolves it
+        ownership.check_job_dir(spec.job_dir, manifest is not None)
+        owned = manifest is not None and _saved_output(manifest, spec.job_dir) == \
+            ownership.full(spec.output)
         ownership.check(spec.output, spec.input, spec.job_dir, owned)
     except ownership.OutputConflict as e:
         raise JobConflict(str(e)) from None
+    # Files the job appends to must be plain files; state.json is only ever replaced whole
+    # (whatever stands there, unless a folder).
+    appended = [spec.errors_path, spec.job_dir / "spill.jsonl"]
+    if spec.parquet_output:
+        appended.append(spec.results_path)
+    state = spec.job_dir / "state.json"
+    try:
+        for path in appended:
+            ownership.check_job_file(path)
+        if state.is_dir() and not state.is_symlink():
+            ownership.check_job_file(state)
+    except ownership.OutputConflict as e:
+        raise JobError(str(e)) from None
     if manifest is not None and not spec.restart:
         check_same_job(spec, manifest, {"input": spec.input_fingerprint,
                                         "options": spec.options()})
 
 
+def _relative_output(output: Path, job_dir: Path) -> str:
+    """The output as job.json compares it: relative to the job folder, so that a job folder
+    moved with its output inside it is still the same job."""
+    return os.path.relpath(ownership.full(output), ownership.full(job_dir))
+
+
+def _saved_output(manifest: dict, job_dir: Path) -> Path | None:
+    saved = manifest["options"].get("output")
+    if not isinstance(saved, str):
+        return None
+    return ownership.full(Path(job_dir) / saved)  # an older job.json's absolute path stays
+
+
 def check_same_job(spec: JobSpec, old: dict, new: dict) -> None:
+    saved = _saved_output(old, spec.job_dir)
+    if saved is not None:  # compared as a place, whether job.json wrote it relative or not
+        old = {**old, "options": {**old["options"],
+                                  "output": _relative_output(saved, spec.job_dir)}}
     changed = mf.differences(old, new)
     if changed:
         raise JobConflict(f"{spec.job_dir} holds a different job: " + "; ".join(changed)
@@ -247,7 +301,7 @@ class JobRunner(RowWork):
         self.manifest: dict = {}
         self.report: dict = {}
         self._init_work()
-        self._interrupted = False
+        self._interrupted = 0  # the signal (SIGINT, SIGTERM) that asked the job to stop
         self._seen_ids: dict[bytes, int] = {}  # hash of an explicit row id -> its first line
         self._spilled: dict[int, Record] = {}  # rows finished past the frontier, from the spill
         self._parquet: ParquetOutput | None = None  # -o *.parquet, written as rows commit
@@ -266,12 +320,7 @@ class JobRunner(RowWork):
         if not self.lock.acquire():
             raise JobError(f"job folder {spec.job_dir} is in use by another batchrun process "
                            f"(pid {self.lock.holder()}); wait for it or use another --job-dir")
-        try:
-            self.rows_total = count_rows(spec.input)
-        except InputError as e:
-            raise JobError(str(e)) from None
-        if self.rows_total == 0:
-            raise JobError(f"{spec.input} has no rows")
+        self.rows_total = spec.rows_total
         self.check_paths()
         new = mf.new_manifest(spec.input_fingerprint, self.model_name,
                               self.model_path, self.engine.model_fingerprint,
@@ -292,8 +341,9 @@ class JobRunner(RowWork):
         mf.save_manifest(spec.job_dir, new)
         recovery = recover(self.state, read_rows(spec.input, 0), self._expected_id,
                            self._remember_id)
-        for problem in recovery.problems:
-            log.warning("%s: %s; resuming from what the files hold", spec.job_dir, problem)
+        if recovery.problems:
+            log.warning("%s: %s; resuming from what the files hold", spec.job_dir,
+                        "; ".join(recovery.problems))
         self._spilled = recovery.spilled
         if spec.parquet_output:
             try:
@@ -342,8 +392,8 @@ class JobRunner(RowWork):
                 bar.set_postfix_str(self._rates(now - t0, sink), refresh=False)
 
         main_thread = threading.current_thread() is threading.main_thread()
-        if main_thread:
-            previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
+        if main_thread:  # both stop the job after a last commit
+            previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
         try:
             self._loop(progress, sink, bar, tick)
             if self._interrupted:
@@ -353,12 +403,13 @@ class JobRunner(RowWork):
             raise
         finally:
             if main_thread:
-                signal.signal(signal.SIGINT, previous_sigint)
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
             bar.close()
             self._commit(sink, runs, started, time.perf_counter() - t0, status)
             sink.close()
         if self._interrupted:
-            raise Interrupted()
+            raise Interrupted(self._interrupted)
         if self._parquet is not None:
             self._parquet.finish()
         return self.report
@@ -384,10 +435,10 @@ class JobRunner(RowWork):
         finally:
             feeder.close()
 
-    def _on_sigint(self, signum, frame) -> None:
+    def _on_signal(self, signum, frame) -> None:
         if self._interrupted:  # a second Ctrl-C: stop now
             raise KeyboardInterrupt
-        self._interrupted = True
+        self._interrupted = signum
 
     def _build(self, raw: RawRow) -> Task | RowError:
         if raw.error is not None:
