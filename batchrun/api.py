@@ -235,7 +235,7 @@ def _local_runner(job: Job):
 
     o, spec = job.options, job.spec
     engine = load_engine(o.model, job.config, o.vision or None)
-    if hasattr(engine.prompts, "prepare"):  # a vision model: rows may carry images
+    if engine.backend.accepts_images:
         from batchrun.io.media import ImageCache
 
         spec.rows.images = ImageCache()

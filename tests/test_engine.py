@@ -194,10 +194,10 @@ def test_invalid_sampling_values_name_the_field():
 def test_lean_decode_step_gives_what_mlx_lm_step_gives(demo, monkeypatch):
     """batchrun's own decode step (batch.py) against mlx-lm's GenerationBatch: a mixed batch of
     greedy, seeded and logprob rows yields the same tokens and logprobs."""
-    import batchrun.engine.engine as engine_module
+    import batchrun.engine.text as text_module
 
     def run(lean: bool):
-        monkeypatch.setattr(engine_module, "LEAN_STEP", lean)
+        monkeypatch.setattr(text_module, "LEAN_STEP", lean)
         engine = make_engine(demo, max_concurrency=4)  # rows join as others finish
         for i, p in enumerate(PROMPTS):
             params = [SamplingParams(max_tokens=8 + i),

@@ -56,6 +56,26 @@ def choice_logprobs(model: Any, prompt_cache: list[KVCache] | None, prompt: list
     return out
 
 
+def answer_choice(seq: Any, model: Any, cache: list[KVCache] | None,
+                  first: mx.array | None) -> None:
+    """Score a choices row's choices after its prompt and set its answer (engine sequence:
+    choice_logprobs, tokens, answer, logprobs). `cache`: the prompt's KV as the batch holds it
+    (with the first generated token, dropped here), or None to compute it."""
+    if cache is not None:
+        for layer in cache:
+            layer.offset = len(seq.prompt)
+    per_token = choice_logprobs(model, cache, seq.prompt, first if cache is not None else None,
+                                seq.choice_tokens)
+    totals = [sum(lps) for lps in per_token]
+    choices = seq.params.constraint.value
+    seq.choice_logprobs = dict(zip(choices, totals, strict=True))
+    picked = pick(totals, seq.params.temperature, seq.seed)
+    seq.tokens = list(seq.choice_tokens[picked])
+    seq.answer = choices[picked]
+    if seq.logprobs is not None:
+        seq.logprobs = per_token[picked]
+
+
 def pick(logprobs: list[float], temperature: float, seed: int) -> int:
     """The greedy choice, or a seeded draw from the choices' probabilities at `temperature`."""
     if temperature == 0:

@@ -127,14 +127,30 @@ class EngineStats:
     prompt_tokens: int = 0  # tokens of admitted prompts, cached ones included
     cached_tokens: int = 0
     completion_tokens: int = 0
+    # Wall time of the steps that ran prompt work (they decode the running rows too), and of
+    # the steps that only decoded, with the tokens those made.
     prefill_time: float = 0.0
     decode_time: float = 0.0
+    decode_tokens: int = 0
     decode_steps: int = 0
     batch_size_sum: int = 0  # sum over decode steps of the running batch size
     peak_memory_bytes: int = 0
     ttfts: list[float] = field(default_factory=list)
     # (seconds since start, prompt tokens, completion tokens, running sequences), sampled.
     timeline: list[tuple[float, int, int, int]] = field(default_factory=list)
+
+    def record_step(self, prompt_work: bool, decoded: int, seconds: float,
+                    peak_memory: int) -> None:
+        """One engine step: timed as prefill if it ran prompt work, else as decode."""
+        if prompt_work:
+            self.prefill_time += seconds
+        else:
+            self.decode_time += seconds
+            self.decode_tokens += decoded
+        if decoded:
+            self.decode_steps += 1
+            self.batch_size_sum += decoded
+        self.peak_memory_bytes = max(self.peak_memory_bytes, peak_memory)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -143,7 +159,7 @@ class EngineStats:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        return self.completion_tokens / self.decode_time if self.decode_time > 0 else 0.0
+        return self.decode_tokens / self.decode_time if self.decode_time > 0 else 0.0
 
     @property
     def mean_batch_size(self) -> float:

@@ -1,4 +1,6 @@
-"""The continuous-batching engine for vision-language models, on mlx-vlm's BatchGenerator.
+"""The vision backend: vision-language models through mlx-vlm's BatchGenerator, under the same
+engine core as text models (engine.py: scheduling, fault recovery, stops, log-probabilities,
+outputs).
 
 Text-only rows, one-image rows and multi-image rows of any image sizes share one running batch
 and join it as others finish. Every row enters the BatchGenerator as its prompt's token ids plus
@@ -6,48 +8,32 @@ its own input embeddings (image features merged into the text embeddings by the 
 `get_input_embeddings`), as mlx-vlm's server does; mlx-vlm's `batch_generate` (one image per row,
 rows split by image shape) is not used.
 
-Per-row behaviour matches the text engine:
-- sampling: mlx-vlm samples a whole batch with one sampler, so the batch samples greedily and a
+- Sampling: mlx-vlm samples a whole batch with one sampler, so the batch samples greedily and a
   sampled row perturbs its own logits with Gumbel noise from its seed and token position
   (argmax of logits / T + Gumbel noise is a draw from softmax(logits / T)): the row's text does
-  not depend on the batch;
-- stop strings and stop token ids end a row (EOS is mlx-vlm's own stop criterion);
-- constraints (JSON schema, regex, choices as a grammar) run as logits processors.
-
-The prefix cache is not used for vision models: a prefix's KV depends on the images, which the
-token ids do not show (every image is the same run of placeholder tokens), so no KV is reused
-across rows. A repeated image is decoded once (io/media.py) and, for models whose
-`get_input_embeddings` takes `cached_image_features` (the Qwen2-VL family), its vision features
-are computed once per job.
+  not depend on the batch.
+- Constraints run as logits processors; choices too, as a grammar (no choice_probs yet).
+- The prefix cache is not used yet: a prefix's KV depends on the images, which the token ids do
+  not show (every image is the same run of placeholder tokens). A repeated image is decoded
+  once (io/media.py) and, for models whose `get_input_embeddings` takes `cached_image_features`
+  (the Qwen2-VL family), its vision features are computed once per job.
 """
 
 from __future__ import annotations
 
-import itertools
-import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from batchrun.engine.constrain import ConstraintError, GrammarProcessor, Grammars
-from batchrun.engine.engine import (
-    MAX_AUTO_CONCURRENCY,
-    TIMELINE_INTERVAL_S,
-    StepLoop,
-    _find_stop,
-)
-from batchrun.engine.memory import MemoryBudget, kv_budget, measure_kv
-from batchrun.engine.request import (
-    EngineConfig,
-    EngineStats,
-    FinishReason,
-    Output,
-    SamplingParams,
-)
+from batchrun.engine.engine import Engine
+from batchrun.engine.postprocess import Step
+from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.engine.sequence import Sequence
 
+MAX_TOP_LOGPROBS = 20  # SamplingParams' bound; mlx-vlm computes one k for the whole batch
 FEATURE_CACHE_SIZE = 256  # images whose vision features are kept (an LRU)
 MAX_IMAGES_PER_ROW = 32  # more is a row error (too_many_images); the context also bounds it
 
@@ -153,208 +139,89 @@ class GumbelSampler:
         return self(None, logits)
 
 
-@dataclass(slots=True)
-class _Row:
-    id: int
-    inputs: VisionInputs
-    params: SamplingParams
-    max_tokens: int
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    processor: GrammarProcessor | None = None
-    stop_scan_from: int = 0  # text offset before which no stop string can start
-    uid: int | None = None
-    admitted_at: float = 0.0
-    ttft: float | None = None
+class VisionBackend:
+    """mlx-vlm's BatchGenerator over the model's language model; each row enters as its token
+    ids plus its own input embeddings (images merged in), computed when it is admitted."""
 
+    accepts_images = True
+    scores_choices = False  # choices run as a grammar (scoring needs the row's own KV)
+    prefix_cache = False  # a prefix's KV depends on the images, which the tokens do not show
 
-class VisionEngine(StepLoop):
-    """Add requests (`add_vision`, or `add_tokens` for text-only rows), call `step()` until
-    `has_work()` is false; each step returns finished outputs. Same surface as `Engine`."""
+    def __init__(self, model: Any, processor: Any):
+        from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-    def __init__(self, model: Any, processor: Any, config: EngineConfig | None = None,
-                 context_length: int | None = None, model_path: str = "",
-                 model_fingerprint: str = ""):
         self.model = model
+        self.kv_model = model.language_model
+        tokenizer = processor.tokenizer if hasattr(processor, "tokenizer") else processor
+        self.tokenizer = tokenizer
+        self._wrapped = TokenizerWrapper(tokenizer)  # for its streaming detokenizer
         self.processor = processor
-        self.tokenizer = processor.tokenizer if hasattr(processor, "tokenizer") else processor
-        self.config = config or EngineConfig()
-        self.context_length = context_length
-        self.model_path = model_path
-        self.model_fingerprint = model_fingerprint
-        self.prefix_cache = None
         self.prompts = VisionPrompts(processor, model.config)
-        self.max_concurrency = self.config.max_concurrency or MAX_AUTO_CONCURRENCY
-        budget = self.config.kv_budget_bytes
-        if budget is None:
-            budget = kv_budget(model, self.config.memory_utilization)
-        self.memory = MemoryBudget(measure_kv(model.language_model), budget)
-        self.stats = EngineStats()
-        self._eos = set(_eos_ids(self.tokenizer, model))
-        self._ids = itertools.count()
-        self._waiting: deque[_Row] = deque()
-        self._running: dict[int, _Row] = {}
-        self._finished: list[Output] = []
-        self._grammars: Grammars | None = None
+        self.eos = tuple(_eos_ids(tokenizer, model))
+        config = getattr(model, "config", None)
+        self.vocab_size = (getattr(config, "vocab_size", None)
+                           or getattr(getattr(config, "text_config", None), "vocab_size", None)
+                           or len(tokenizer))
         self._features: OrderedDict[str, mx.array] = OrderedDict()
         self.feature_hits = self.feature_misses = 0
-        self._started = time.perf_counter()
-        self._last_sample = -TIMELINE_INTERVAL_S
-        self._gen = self._new_generator()
+        self._kwargs: dict[int, dict] = {}  # request id -> its embeddings, until inserted
+        self._gen = None
 
-    @classmethod
-    def load(cls, model: str | None = None, config: EngineConfig | None = None,
-             **engine_options) -> VisionEngine:
-        """Load a vision-language model; options as EngineConfig's fields."""
-        from batchrun.models import load_vision_model
-
-        config = config or EngineConfig(**engine_options)
-        loaded = load_vision_model(model)
-        return cls(loaded.model, loaded.tokenizer, config, loaded.context_length, loaded.path,
-                   loaded.fingerprint)
-
-    def _new_generator(self):
+    def start(self, max_concurrency: int, config: EngineConfig) -> None:
         from mlx_vlm.generate import BatchGenerator
 
-        return BatchGenerator(
-            self.model.language_model, self.processor, stop_tokens=sorted(self._eos),
-            completion_batch_size=self.max_concurrency,
-            prefill_batch_size=min(self.config.prefill_batch_size, self.max_concurrency),
-            prefill_step_size=self.config.prefill_step_size,
-            compute_logprobs=True, greedy_sampling=True)
+        self.close()
+        self._gen = BatchGenerator(
+            self.kv_model, self.processor, stop_tokens=list(self.eos),
+            completion_batch_size=max_concurrency,
+            prefill_batch_size=min(config.prefill_batch_size, max_concurrency),
+            prefill_step_size=config.prefill_step_size,
+            compute_logprobs=True, top_logprobs_k=MAX_TOP_LOGPROBS, greedy_sampling=True)
 
-    # -- the same surface as Engine -------------------------------------------------------------
+    def detokenizer(self) -> Any:
+        return self._wrapped.detokenizer
 
-    @property
-    def grammars(self) -> Grammars:
-        if self._grammars is None:
-            vocab = getattr(getattr(self.model, "config", None), "vocab_size", None) or getattr(
-                getattr(self.model.config, "text_config", None), "vocab_size", None)
-            self._grammars = Grammars(self.tokenizer, vocab or len(self.tokenizer),
-                                      sorted(self._eos))
-        return self._grammars
-
-    def check_constraint(self, constraint) -> None:
-        self.grammars.check(constraint)
-
-    def get_cache_stats(self) -> dict | None:
-        return None
-
-    def has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._finished)
-
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
-
-    @property
-    def generated_tokens(self) -> int:
-        return self.stats.completion_tokens + sum(len(r.tokens) for r in self._running.values())
-
-    def add_tokens(self, prompt: list[int], params: SamplingParams) -> int:
-        """A text-only request from token ids."""
-        return self.add_vision(VisionInputs(list(prompt)), params)
-
-    def add_vision(self, inputs: VisionInputs, params: SamplingParams) -> int:
-        """A request from a processor's output (see `prepare`)."""
-        request_id = next(self._ids)
-        max_tokens = params.max_tokens
-        if self.context_length:
-            max_tokens = min(max_tokens, self.context_length - len(inputs.input_ids))
-        row = _Row(request_id, inputs, params, max_tokens,
-                   logprobs=[] if params.logprobs else None,
-                   top_logprobs=[] if params.top_logprobs else None)
-        error = self._reject_reason(row)
-        if error:
-            self._finished.append(self._output(row, FinishReason.ERROR, error))
-        else:
-            self._waiting.append(row)
-        return request_id
-
-    def _reject_reason(self, row: _Row) -> str | None:
-        n = len(row.inputs.input_ids)
-        if n == 0:
-            return "the prompt is empty"
-        if not self.memory.fits_alone(n + row.max_tokens):
-            return (f"prompt + max_tokens = {n + row.max_tokens} tokens need more KV cache than "
-                    f"the budget of {self.memory.budget:,} bytes: lower max_tokens")
-        if self.context_length and n >= self.context_length:
-            return (f"the prompt has {n} tokens (images included); the model's context is "
-                    f"{self.context_length}: shorten the prompt or use fewer images")
-        if row.params.logprobs and not row.params.greedy:
+    def reject(self, params: SamplingParams) -> str | None:
+        if params.logprobs and not params.greedy:
             return "logprobs with temperature > 0 are not supported on vision models yet"
-        if row.params.constraint is not None:
-            try:
-                self.grammars.check(row.params.constraint)
-            except ConstraintError as e:
-                return str(e)
         return None
 
-    def abort(self, request_id: int) -> bool:
-        for uid, row in list(self._running.items()):
-            if row.id == request_id:
-                self._finish(uid, FinishReason.ABORT)
-                return True
-        for row in self._waiting:
-            if row.id == request_id:
-                self._waiting.remove(row)
-                self._finished.append(self._output(row, FinishReason.ABORT))
-                return True
-        return False
+    def prepare(self, seq: Sequence) -> str | None:
+        inputs = seq.inputs if seq.inputs is not None else VisionInputs(seq.prompt)
+        try:
+            self._kwargs[seq.id] = self._embed(inputs)
+        except Exception as e:  # a model that rejects these images: this row's error
+            return f"the model could not read this row's images: {type(e).__name__}: {e}"
+        return None
 
-    def step(self) -> list[Output]:
-        self._admit()
-        if self._running:
-            start = time.perf_counter()
-            _, responses = self._gen.next()
-            self._collect(responses)
-            self.stats.prefill_time = self._gen._prompt_time_counter
-            self.stats.decode_time += time.perf_counter() - start
-            if responses:
-                self.stats.decode_steps += 1
-                self.stats.batch_size_sum += len(responses)
-            self.stats.peak_memory_bytes = max(self.stats.peak_memory_bytes,
-                                               mx.get_peak_memory())
-            self.sample_timeline()
-        finished, self._finished = self._finished, []
-        self.stats.requests_finished += len(finished)
-        return finished
+    def insert(self, seqs: list[Sequence], blocks: list[list]) -> list[int]:
+        processors = []
+        for seq in seqs:
+            row = [seq.processor] if seq.processor is not None else []
+            if not seq.params.greedy:
+                row.append(GumbelSampler(seq.params, seq.seed))
+            processors.append(row)
+        return self._gen.insert([s.prompt for s in seqs], max_tokens=[s.max_tokens for s in seqs],
+                                prompt_kwargs=[self._kwargs.pop(s.id) for s in seqs],
+                                logits_processors=processors)
+
+    def next(self) -> tuple[bool, list[Step]]:
+        prompt_work, responses = self._gen.next()
+        return bool(prompt_work), [
+            Step(r.uid, int(r.token), r.finish_reason, token_logprob=r.token_logprob,
+                 top=r.top_logprobs) for r in responses]
+
+    def remove(self, uid: int, in_batch: bool) -> None:
+        if in_batch:
+            self._gen.remove(uid)
+
+    def extract_cache(self, uid: int) -> list:
+        raise NotImplementedError("the vision backend serves no prefix cache")
 
     def close(self) -> None:
-        self._gen.close()
-
-    # -- admission and decoding -----------------------------------------------------------------
-
-    def _admit(self) -> None:
-        while (self._waiting and len(self._running) < self.max_concurrency
-               and self.memory.fits(len(self._waiting[0].inputs.input_ids)
-                                    + self._waiting[0].max_tokens)):
-            row = self._waiting.popleft()
-            try:
-                kwargs = self._embed(row.inputs)
-            except Exception as e:  # a model that rejects these images: this row's error
-                self._finished.append(self._output(
-                    row, FinishReason.ERROR,
-                    f"the model could not read this row's images: {type(e).__name__}: {e}"))
-                continue
-            processors = []
-            if row.params.constraint is not None:
-                row.processor = self.grammars.processor(row.params.constraint)
-                processors.append(row.processor)
-            if not row.params.greedy:
-                seed = row.params.seed if row.params.seed is not None else row.id
-                processors.append(GumbelSampler(row.params, seed))
-            (uid,) = self._gen.insert([row.inputs.input_ids], max_tokens=[row.max_tokens],
-                                      prompt_kwargs=[kwargs], logits_processors=[processors])
-            row.uid, row.admitted_at = uid, time.perf_counter()
-            self._running[uid] = row
-            self.memory.add(row.id, len(row.inputs.input_ids) + row.max_tokens)
-            self.stats.prompt_tokens += len(row.inputs.input_ids)
+        if self._gen is not None:
+            self._gen.close()
+            self._gen = None
 
     def _embed(self, inputs: VisionInputs) -> dict:
         """The row's input embeddings (and position data) for the language model."""
@@ -395,60 +262,36 @@ class VisionEngine(StepLoop):
             start += size
         return mx.concatenate(parts, axis=0)
 
-    def _collect(self, responses: list) -> None:
-        now = time.perf_counter()
-        for r in responses:
-            row = self._running.get(r.uid)
-            if row is None:
-                continue
-            if row.ttft is None:
-                row.ttft = now - row.admitted_at
-            token = int(r.token)
-            if token in self._eos or token in row.params.stop_token_ids:
-                self._finish(r.uid, FinishReason.STOP, removed=r.finish_reason is not None)
-                continue
-            row.tokens.append(token)
-            if row.logprobs is not None:
-                row.logprobs.append(float(r.token_logprob))
-            if row.top_logprobs is not None:
-                top = sorted(r.top_logprobs or [], key=lambda p: -p[1])
-                row.top_logprobs.append([(int(t), float(lp)) for t, lp in top][
-                    : row.params.top_logprobs])
-            if row.params.stop and self._stop_string_seen(row):
-                self._finish(r.uid, FinishReason.STOP, removed=r.finish_reason is not None)
-            elif r.finish_reason is not None:
-                reason = FinishReason.STOP if r.finish_reason == "stop" else FinishReason.LENGTH
-                self._finish(r.uid, reason, removed=True)
 
-    def _stop_string_seen(self, row: _Row) -> bool:
-        text = self.tokenizer.decode(row.tokens)
-        hit = _find_stop(text, row.params.stop, row.stop_scan_from)
-        row.stop_scan_from = max(0, len(text) - max(len(s) for s in row.params.stop))
-        return hit is not None
+class VisionEngine(Engine):
+    """The engine (engine.py) over the vision backend: `add_vision` for rows with images,
+    `add_tokens` / `add_request` for text-only rows."""
 
-    def _finish(self, uid: int, reason: FinishReason, removed: bool = False) -> None:
-        row = self._running.pop(uid)
-        self.memory.remove(row.id)
-        if not removed:
-            self._gen.remove(uid)
-        if row.processor is not None and len(row.tokens) > row.processor.consumed:
-            row.processor.advance(row.tokens[-1])
-        self._finished.append(self._output(row, reason))
+    def __init__(self, model: Any, processor: Any, config: EngineConfig | None = None,
+                 context_length: int | None = None, model_path: str = "",
+                 model_fingerprint: str = ""):
+        self.processor = processor
+        super().__init__(model, None, config, context_length, model_path,
+                         model_fingerprint=model_fingerprint,
+                         backend=VisionBackend(model, processor))
 
-    def _output(self, row: _Row, reason: FinishReason, error: str | None = None) -> Output:
-        text = self.tokenizer.decode(row.tokens) if row.tokens else ""
-        hit = _find_stop(text, row.params.stop, 0)
-        if hit is not None:
-            text, reason = text[:hit], FinishReason.STOP
-        if row.ttft is not None:
-            self.stats.ttfts.append(row.ttft)
-        self.stats.completion_tokens += len(row.tokens)
-        return Output(
-            request_id=row.id, text=text, token_ids=row.tokens, finish_reason=reason,
-            prompt_tokens=len(row.inputs.input_ids), logprobs=row.logprobs,
-            top_logprobs=row.top_logprobs, ttft_s=row.ttft, error=error,
-            constraint_complete=row.processor.complete if row.processor else None,
-        )
+    @staticmethod
+    def _load_model(model: str | None):
+        from batchrun.models import load_vision_model
+
+        return load_vision_model(model)
+
+    def add_vision(self, inputs: VisionInputs, params: SamplingParams) -> int:
+        """A request from a processor's output (VisionPrompts.prepare)."""
+        return self.add_tokens(inputs.input_ids, params, inputs)
+
+    @property
+    def feature_hits(self) -> int:
+        return self.backend.feature_hits
+
+    @property
+    def feature_misses(self) -> int:
+        return self.backend.feature_misses
 
 
 def _eos_ids(tokenizer: Any, model: Any) -> list[int]:

@@ -110,7 +110,8 @@ class _NoBar:
 
 
 STAT_FIELDS = ("prompt_tokens", "cached_tokens", "completion_tokens", "prefill_time",
-               "decode_time", "decode_steps", "batch_size_sum", "peak_memory_bytes")
+               "decode_time", "decode_tokens", "decode_steps", "batch_size_sum",
+               "peak_memory_bytes")
 
 
 class SliceWorker(RowWork):
@@ -125,16 +126,13 @@ class SliceWorker(RowWork):
     def __init__(self, model: str | None, config: EngineConfig, row_options, model_name: str,
                  created: int, vision: bool):
         import batchrun  # noqa: F401  (the BLAS routing, before MLX, in this worker too)
-        from batchrun.engine.engine import Engine
+        from batchrun.api import load_engine
 
-        if vision:
-            from batchrun.engine.vision import VisionEngine
+        self.engine = load_engine(model, config, vision)
+        if self.engine.backend.accepts_images:
             from batchrun.io.media import ImageCache
 
-            self.engine = VisionEngine.load(model, config)
             row_options = dataclasses.replace(row_options, images=ImageCache())
-        else:
-            self.engine = Engine.load(model, config)
         self.row_options = dataclasses.replace(row_options,
                                                check_constraint=self.engine.check_constraint)
         self.model_name = model_name

@@ -17,7 +17,8 @@ from batchrun.job.state import DamagedFile, Progress, read_json, write_atomic
 log = logging.getLogger("batchrun")
 MAX_TIMELINE_POINTS = 1500
 SUM_FIELDS = ("wall_s", "rows_done", "rows_failed", "prompt_tokens", "cached_prompt_tokens",
-              "completion_tokens", "prefill_time_s", "decode_time_s", "decode_steps")
+              "completion_tokens", "prefill_time_s", "decode_time_s", "decode_tokens",
+              "decode_steps")
 
 
 def run_entry(started: float, status: str, stats: EngineStats, rows_done: int, rows_failed: int,
@@ -35,6 +36,7 @@ def run_entry(started: float, status: str, stats: EngineStats, rows_done: int, r
         "completion_tokens": stats.completion_tokens,
         "prefill_time_s": round(stats.prefill_time, 3),
         "decode_time_s": round(stats.decode_time, 3),
+        "decode_tokens": stats.decode_tokens,
         "decode_steps": stats.decode_steps,
         "prefill_tokens_per_s": round(stats.prefill_tokens_per_s, 2),
         "decode_tokens_per_s": round(stats.decode_tokens_per_s, 2),
@@ -76,7 +78,7 @@ def build_report(manifest: dict, progress: Progress, rows_total: int, runs: list
         "wall_s": round(totals["wall_s"], 3),
         "prefill_tokens_per_s": round(computed / totals["prefill_time_s"], 2)
         if totals["prefill_time_s"] else 0.0,
-        "decode_tokens_per_s": round(totals["completion_tokens"] / totals["decode_time_s"], 2)
+        "decode_tokens_per_s": round(totals["decode_tokens"] / totals["decode_time_s"], 2)
         if totals["decode_time_s"] else 0.0,
         "completion_tokens_per_s": round(totals["completion_tokens"] / wall, 2),
         "requests_per_s": round((totals["rows_done"] + totals["rows_failed"]) / wall, 3),

@@ -264,7 +264,7 @@ def _with_images(messages: list, refs: list[tuple[str, object]], body: dict, pro
     order) and run the vision model's processor on them."""
     from batchrun.io.media import MediaError, check_image_count
 
-    if not hasattr(prompts, "prepare") or options.images is None:
+    if options.images is None:  # set for a vision model only
         raise RowRejected("vision_model_required",
                           "this row has images but the model is a text model: pass --model "
                           "with a vision-language model (or --vision to force the vision path)")

@@ -240,10 +240,7 @@ class RowWork:
             self.deduplicated += 1
             self._pending[self._inflight[key]].append((task, sample))
         else:
-            if task.vision is not None:
-                request_id = self.engine.add_vision(task.vision, params)
-            else:
-                request_id = self.engine.add_tokens(task.prompt_ids, params)
+            request_id = self.engine.add_tokens(task.prompt_ids, params, task.vision)
             self._pending[request_id] = [(task, sample)]
             self._inflight[key] = request_id
             self._request_key[request_id] = key

@@ -1,0 +1,118 @@
+"""Which sequences run: admission under the memory budget, and recovery from a failed step.
+
+Invariants:
+- a sequence is admitted only when the running batch's KV cache, with it, fits the memory
+  budget, and at most `max_concurrency` run at once;
+- with a prefix cache, a row waits while a leader computes the prefix blocks it needs
+  (prefix_plan.py);
+- after a failed step no row is lost: the running rows restart in two halves, each run on its
+  own (`isolated`), halving again on failure; a row fails only when it fails alone. An
+  out-of-memory error halves the concurrency instead.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from batchrun.cache.prefix import Block
+from batchrun.engine.memory import MemoryBudget
+from batchrun.engine.prefix_plan import PrefixPlanner
+from batchrun.engine.sequence import Sequence, Status
+
+
+class Scheduler:
+    def __init__(self, memory: MemoryBudget, max_concurrency: int):
+        self.memory = memory
+        self.max_concurrency = max_concurrency
+        self.planner: PrefixPlanner | None = None
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}  # by the backend's uid
+        self._retry_groups: deque[list[Sequence]] = deque()  # rows to rerun after a fault
+        self._isolated: set[int] = set()  # ids of the retry group now running on its own
+        self.faults = 0
+
+    def add(self, seq: Sequence) -> None:
+        if self.planner is not None:
+            self.planner.register(seq)
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self._retry_groups)
+
+    def schedule(self) -> list[tuple[Sequence, list[Block]]]:
+        """The sequences to start now, each with the cached prefix blocks it starts from."""
+        if self._isolated:
+            return []  # a retry group runs on its own until it is done
+        if self._retry_groups:
+            group = self._retry_groups.popleft()
+            self._isolated = {seq.id for seq in group}
+            for seq in group:
+                self.memory.add(seq.id, seq.length)
+            return [(seq, self._plan(seq) or []) for seq in group]
+        batch: list[tuple[Sequence, list[Block]]] = []
+        deferred: list[Sequence] = []
+        while (self.waiting and len(self.running) + len(batch) < self.max_concurrency
+               and self.memory.fits(self.waiting[0].length)):
+            seq = self.waiting.popleft()
+            blocks = self._plan(seq)
+            if blocks is None:  # a leader is computing this row's prefix: wait for it
+                deferred.append(seq)
+                continue
+            self.memory.add(seq.id, seq.length)
+            batch.append((seq, blocks))
+        self.waiting.extendleft(reversed(deferred))
+        return batch
+
+    def _plan(self, seq: Sequence) -> list[Block] | None:
+        return [] if self.planner is None else self.planner.plan(seq)
+
+    def started(self, seq: Sequence, uid: int) -> None:
+        seq.uid, seq.status = uid, Status.RUNNING
+        self.running[uid] = seq
+
+    def finish(self, seq: Sequence) -> None:
+        """A running, waiting or not yet admitted sequence is done (its Output is made)."""
+        self.memory.remove(seq.id)
+        self._isolated.discard(seq.id)
+        if seq.status is Status.RUNNING:
+            del self.running[seq.uid]
+        else:
+            for queue in (self.waiting, *self._retry_groups):
+                if seq in queue:
+                    queue.remove(seq)
+            self._retry_groups = deque(g for g in self._retry_groups if g)
+        if self.planner is not None:
+            self.planner.release(seq)
+        seq.status = Status.FINISHED
+
+    def find(self, request_id: int) -> Sequence | None:
+        for seq in (*self.running.values(), *self.waiting, *(s for g in self._retry_groups
+                                                               for s in g)):
+            if seq.id == request_id:
+                return seq
+        return None
+
+    def recover(self, out_of_memory: bool, restart: Callable[[Sequence], None]
+                ) -> Sequence | None:
+        """After a failed step: every running row goes back (restarted) to run again, in
+        halves, or all at lower concurrency. Returns the row that failed alone, if one did
+        (still to be finished)."""
+        self.faults += 1
+        rows = sorted(self.running.values(), key=lambda seq: seq.id)
+        self.running.clear()
+        self._isolated.clear()
+        for seq in rows:
+            self.memory.remove(seq.id)
+            if self.planner is not None:
+                self.planner.drop_leadership(seq)
+            restart(seq)
+        if out_of_memory and len(rows) > 1:
+            self.max_concurrency = max(1, len(rows) // 2)
+            self.waiting.extendleft(reversed(rows))
+        elif len(rows) == 1:
+            return rows[0]
+        else:
+            half = len(rows) // 2
+            self._retry_groups.extendleft([rows[half:], rows[:half]])
+        return None

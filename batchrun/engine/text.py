@@ -1,0 +1,99 @@
+"""The text backend: mlx-lm's BatchGenerator, with the lean decoding batch (batch.py).
+
+Each row brings its own sampler (sampling.py: its randomness is its own), its logits processors
+(a grammar) and its stop tokens; a row that starts from cached prefix blocks is inserted with
+those blocks as its KV cache and only the rest of its prompt to prefill.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from batchrun.cache.prefix import Block, PrefixCache
+from batchrun.engine.batch import LeanGenerationBatch
+from batchrun.engine.postprocess import Step
+from batchrun.engine.prompt import PromptBuilder
+from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.engine.sampling import make_sampler
+from batchrun.engine.sequence import Sequence
+
+LEAN_STEP = True  # False: mlx-lm's own GenerationBatch (kept for the side-by-side benchmark)
+
+
+class TextBackend:
+    scores_choices = True
+    prefix_cache = True
+    accepts_images = False
+
+    def __init__(self, model: Any, tokenizer: Any):
+        self.model = self.kv_model = model
+        self.tokenizer = tokenizer
+        self.prompts = PromptBuilder(tokenizer)
+        self.eos = tuple(sorted(tokenizer.eos_token_ids))
+        self.vocab_size = (getattr(getattr(model, "args", None), "vocab_size", None)
+                           or len(tokenizer._tokenizer))
+        self._eos_stops = StopSequences([(t,) for t in self.eos])
+        self._logprob_uids: set[int] = set()  # running rows whose steps carry logprobs
+        self._gen: BatchGenerator | None = None
+
+    def start(self, max_concurrency: int, config: EngineConfig) -> None:
+        self.close()
+        self._logprob_uids.clear()
+        self._gen = BatchGenerator(
+            self.model, stop_tokens=[[t] for t in self.eos],
+            completion_batch_size=max_concurrency,
+            prefill_batch_size=min(config.prefill_batch_size, max_concurrency),
+            prefill_step_size=config.prefill_step_size)
+        if LEAN_STEP:
+            self._gen._generation_batch = LeanGenerationBatch.empty(
+                self.model, self._gen.sampler, self._logprob_uids)
+
+    def detokenizer(self) -> Any:
+        return self.tokenizer.detokenizer
+
+    def reject(self, params: SamplingParams) -> str | None:
+        return None
+
+    def prepare(self, seq: Sequence) -> str | None:
+        return None
+
+    def insert(self, seqs: list[Sequence], blocks: list[list[Block]]) -> list[int]:
+        uids = self._gen.insert(
+            [s.prompt[s.cached:] for s in seqs],
+            max_tokens=[s.max_tokens for s in seqs],
+            caches=[PrefixCache.to_kv_caches(b) if b else None for b in blocks],
+            all_tokens=[s.prompt[: s.cached] for s in seqs],
+            samplers=[make_sampler(s.params, s.seed) for s in seqs],
+            logits_processors=[[s.processor] if s.processor else [] for s in seqs],
+            stop_sequences=[self._stops(s.params) for s in seqs],
+        )
+        for uid, s in zip(uids, seqs, strict=True):
+            if s.params.logprobs or s.params.top_logprobs or s.choice_tokens:
+                self._logprob_uids.add(uid)
+        return uids
+
+    def _stops(self, params: SamplingParams) -> StopSequences:
+        if not params.stop_token_ids:
+            return self._eos_stops
+        return StopSequences([(t,) for t in (*self.eos, *params.stop_token_ids)])
+
+    def next(self) -> tuple[bool, list[Step]]:
+        prompt_work, responses = self._gen.next()
+        return bool(prompt_work), [Step(r.uid, r.token, r.finish_reason, r.logprobs)
+                                   for r in responses]
+
+    def remove(self, uid: int, in_batch: bool) -> None:
+        if in_batch:
+            self._gen.remove([uid])
+        self._logprob_uids.discard(uid)
+
+    def extract_cache(self, uid: int) -> list:
+        layer_caches, _ = self._gen.extract_cache([uid])[uid]
+        return layer_caches
+
+    def close(self) -> None:
+        if self._gen is not None:
+            self._gen.close()
+            self._gen = None
