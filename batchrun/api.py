@@ -47,6 +47,11 @@ def load_engine(model: str | None, config: EngineConfig, vision: bool | None = N
     return TextEngine.load(model, config)
 
 
+# Output suffixes that promise a format batchrun does not write (anything else is JSONL).
+OTHER_FORMATS = frozenset({".gz", ".bz2", ".xz", ".zst", ".zip", ".csv", ".tsv", ".json",
+                           ".xlsx", ".arrow", ".feather"})
+
+
 class UsageError(ValueError):
     """An option that cannot work (the command line's exit 2); the message names it."""
 
@@ -190,6 +195,9 @@ def _plan(input_path: Path, o: RunOptions):
         raise UsageError(str(e)) from None
     job_dir = Path(o.job_dir) if o.job_dir else default_job_dir(input_path)
     output = Path(o.output) if o.output else job_dir / "results.jsonl"
+    if output.suffix.lower() in OTHER_FORMATS:
+        raise UsageError(f"-o {output}: batchrun writes JSONL (.jsonl) or Parquet (.parquet), "
+                         f"not {output.suffix}")
     roots = [o.media_root] if isinstance(o.media_root, str | Path) else o.media_root
     timeout = o.media_timeout
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:

@@ -139,6 +139,15 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
 
     Re-running the same command resumes the job where it stopped.
     """
+    try:
+        _run(ctx, input_path, opts)
+    except KeyboardInterrupt:  # before the job's own Ctrl-C handling (loading), or a second one
+        click.echo("interrupted: progress so far is kept; run the same command to resume "
+                   f"({resume_command(sys.argv[2:])})", err=True)
+        ctx.exit(130)
+
+
+def _run(ctx: click.Context, input_path: Path, opts: dict) -> None:
     from batchrun.api import Job, UsageError
     from batchrun.job import report as rp
     from batchrun.job.runner import Interrupted, JobError
@@ -148,8 +157,10 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
         job_file = input_path
         opts = _merge_job_file(ctx, input_path, opts)
         input_path = opts.pop("input")
-    if not input_path.is_file():
+    if not input_path.exists():
         raise _fail(f"input file not found: {input_path}", code=2)
+    if not input_path.is_file():
+        raise _fail(f"the input {input_path} is not a regular file", code=2)
     debug = opts.pop("debug")
     moved = opts.pop("_output_follows_job_dir", False)
     if job_file and not opts["job_dir"]:
@@ -287,12 +298,15 @@ def _merge_job_file(ctx: click.Context, path: Path, opts: dict) -> dict:
 def status(job_dir: Path) -> None:
     """Rows done / failed / pending and throughput so far (also while the job runs)."""
     from batchrun.job.report import summary_text
-    from batchrun.job.state import JobLock
+    from batchrun.job.state import DamagedFile, JobLock
 
     manifest, report = _read_job(job_dir)
     _saved_progress(job_dir)  # a damaged state.json is said here as under `report`
     lock = JobLock(job_dir)
-    running = not lock.acquire()
+    try:
+        running = not lock.acquire()
+    except DamagedFile as e:
+        raise _fail(str(e)) from None
     if not running:
         lock.release()
     state = "running (pid " + lock.holder() + ")" if running else "not running"

@@ -57,7 +57,7 @@ def test_an_output_inside_another_jobs_folder_is_refused(tmp_path):
     refused = run(other, "-o", tmp_path / "a" / "mine.jsonl", "--job-dir", tmp_path / "b",
                   code=2)
     assert "inside the job folder" in refused.output
-    refused = run(other, "-o", tmp_path / "b" / "state.json", "--job-dir", tmp_path / "b",
+    refused = run(other, "-o", tmp_path / "b" / "errors.jsonl", "--job-dir", tmp_path / "b",
                   code=2)
     assert "job folder's own files" in refused.output
 
@@ -399,6 +399,85 @@ def test_sigterm_stops_like_ctrl_c_with_exit_143(tmp_path):
     out = run(rows, "--job-dir", job, "--max-concurrency", "4")
     assert "warning" not in out.output
     assert [r["custom_id"] for r in jsonl(job / "results.jsonl")] == [f"r{i}" for i in range(300)]
+
+
+@pytest.mark.parametrize("marker", ["removed", "kept"])
+def test_a_users_file_put_in_place_of_a_jobs_output_is_never_cut(tmp_path, marker):
+    rows = rows_file(tmp_path)
+    out_file = tmp_path / "out.jsonl"
+    run(rows, "--job-dir", tmp_path / "j", "-o", out_file)
+    if marker == "removed":
+        (tmp_path / ".out.jsonl.batchrun").unlink()
+    out_file.write_text("user,data,csv\n1,2,3\n")
+    refused = run(rows, "--job-dir", tmp_path / "j", "-o", out_file, code=2)
+    assert "model:" not in refused.output
+    assert out_file.read_text() == "user,data,csv\n1,2,3\n"
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo", "folder"])
+def test_a_lock_that_is_not_a_file_is_never_written_through(tmp_path, kind):
+    rows = rows_file(tmp_path)
+    job = tmp_path / "job"
+    run(rows, "--job-dir", job)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (job / "lock").unlink()
+    if kind == "link":
+        (job / "lock").symlink_to(victim)
+    elif kind == "fifo":
+        os.mkfifo(job / "lock")
+    else:
+        (job / "lock").mkdir()
+    for args in (["status", job], ["run", rows, "--job-dir", job, "--quiet"]):
+        proc = _cli(*args)
+        assert proc.returncode == 1, proc.stderr
+        assert "lock" in proc.stderr and "Traceback" not in proc.stderr
+        assert "model:" not in proc.stderr
+    assert victim.read_text() == "keep me"
+
+
+def test_a_users_own_lock_file_marks_a_folder_as_not_a_jobs(tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "lock").write_text("my precious notes\n")
+    out = run(rows_file(tmp_path), "--job-dir", mine, code=2)
+    assert "is not a batchrun job folder but holds lock" in out.output
+    assert (mine / "lock").read_text() == "my precious notes\n"
+
+
+def test_a_job_made_above_an_existing_one_never_locks_it_out(tmp_path):
+    rows = rows_file(tmp_path)
+    inner = tmp_path / "outer" / "a" / "b" / "inner"  # too deep for the scan for job folders
+    run(rows, "--job-dir", inner)
+    run(rows, "--job-dir", tmp_path / "outer", "-o", tmp_path / "o.jsonl")
+    run(rows, "--job-dir", inner)  # still resumes
+    assert len(jsonl(inner / "results.jsonl")) == 12
+
+
+def test_an_output_suffix_of_another_format_is_a_usage_error(tmp_path):
+    rows = rows_file(tmp_path)
+    for name in ("out.jsonl.gz", "out.csv"):
+        out = run(rows, "-o", tmp_path / name, "--job-dir", tmp_path / name, code=2)
+        assert "batchrun writes JSONL (.jsonl) or Parquet (.parquet)" in out.output
+    run(rows, "-o", tmp_path / "out.PARQUET", "--job-dir", tmp_path / "pq")
+    import pyarrow.parquet as pq
+
+    assert pq.read_table(tmp_path / "out.PARQUET").num_rows == 12
+
+
+def test_ctrl_c_while_the_job_starts_exits_130_without_a_traceback(tmp_path):
+    big = tmp_path / "big.jsonl"  # counting and hashing it keeps the job starting for a while
+    line = orjson.dumps({"prompt": "x" * 2000}) + b"\n"
+    big.write_bytes(line * 60_000)
+    proc = subprocess.Popen([sys.executable, "-m", "batchrun", "run", str(big), "--job-dir",
+                             str(tmp_path / "job"), "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    assert proc.poll() is None, "the job started too fast for this test"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "interrupted" in err and "Aborted" not in err and "Traceback" not in err
 
 
 # -- helpers -----------------------------------------------------------------------------------

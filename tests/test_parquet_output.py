@@ -362,3 +362,11 @@ def test_the_temp_file_is_never_written_through_a_planted_link(tmp_path):
     assert victim.read_bytes() == b"keep me"
     assert pq.read_table(job.out).num_rows == BATCH_ROWS + 3
     assert not list(job.out.parent.glob(f".{job.out.name}*partial"))  # stale links cleared
+
+
+def test_a_glob_character_in_the_output_name_touches_no_other_outputs_temp_file(tmp_path):
+    job = Job(tmp_path, [{"prompt": "a"}])
+    other = tmp_path / ".a1.parquet.x1y2.partial"  # another job's live temp file
+    other.write_bytes(b"in progress")
+    ParquetOutput(job.input, tmp_path / "a[12].parquet", job.results, job.errors).close()
+    assert other.read_bytes() == b"in progress"

@@ -12,6 +12,7 @@ ParquetOutput from row 0, so the file never depends on where earlier runs stoppe
 
 from __future__ import annotations
 
+import glob
 import os
 import stat
 import tempfile
@@ -371,7 +372,8 @@ PARTIAL = ".partial"
 def _remove_stale_partials(out: Path) -> None:
     """Temp files an earlier, killed run of this output's job left (the job owns the output and
     holds its lock, so no one else writes them)."""
-    for path in out.parent.glob(f".{out.name}.*{PARTIAL[1:]}"):  # also the old fixed name
+    pattern = f".{glob.escape(out.name)}.*{PARTIAL[1:]}"  # also the old fixed name
+    for path in out.parent.glob(pattern):
         try:
             if stat.S_ISREG(os.lstat(path).st_mode) or path.is_symlink():
                 path.unlink()

@@ -54,15 +54,18 @@ def check(output: Path, input_path: Path, job_dir: Path, owned: bool) -> None:
         raise OutputConflict(f"the output {output} is one of the job folder's own files: "
                              "pass another -o")
     for folder in out.parents:
-        if folder != job and (folder / "job.json").is_file():
+        if folder == job:
+            break  # inside its own job folder: what lies above is not another job's
+        if (folder / "job.json").is_file():
             raise OutputConflict(f"the output {output} is inside the job folder {folder} of "
                                  "another job: pass an -o outside it")
     owner = read_owner(out)
     if owner is not None and owner != str(job):
         raise OutputConflict(_owned_by(output, owner))
-    if owner is None and not owned and _has_data(out):
+    if owner is None and _has_data(out):
+        why = " (its marker is missing)" if owned else ""
         raise OutputConflict(f"the output {output} already exists and was not written by this "
-                             "job: move it away, or pass another -o")
+                             f"job{why}: move it away, or pass another -o")
 
 
 def claim(output: Path, job_dir: Path) -> None:
@@ -111,8 +114,8 @@ def _owned_by(output: Path, owner: str) -> str:
                 f"pass another -o, or delete {marker} if no job writes {output}")
     if not Path(owner).is_dir():
         return (f"the output {output} belongs to the job in {owner}, which no longer exists: "
-                f"if that job folder was moved or deleted, delete {marker} to let this job "
-                "take the output over, or pass another -o")
+                f"if that job folder was moved here, delete {marker} to let this job resume "
+                f"it; else pass another -o (or move {output} and {marker} away)")
     return (f"the output {output} belongs to the job in {owner}: resume that job with "
             "--job-dir, or pass another -o")
 
@@ -123,13 +126,17 @@ def check_job_dir(job_dir: Path, is_job: bool) -> None:
     job = _full(job_dir)
     if job.exists() and not job.is_dir():
         raise OutputConflict(f"the job folder {job_dir} is not a folder: pass another --job-dir")
+    if is_job:
+        return  # an existing job always resumes (even if a job folder was made above it)
     for folder in job.parents:
         if (folder / "job.json").is_file():
             raise OutputConflict(f"the job folder {job_dir} is inside the job folder {folder} of "
                                  "another job: pass a --job-dir outside it")
-    if is_job or not job.is_dir():
+    if not job.is_dir():
         return
     found = sorted(name for name in WRITTEN if os.path.lexists(job / name))
+    if os.path.lexists(job / "lock") and not _is_our_lock(job / "lock"):
+        found = sorted([*found, "lock"])
     if found:
         raise OutputConflict(f"{job_dir} is not a batchrun job folder but holds "
                              f"{', '.join(found)}: pass another --job-dir (batchrun does not "
@@ -138,6 +145,29 @@ def check_job_dir(job_dir: Path, is_job: bool) -> None:
     if nested is not None:
         raise OutputConflict(f"{job_dir} holds the job folder {nested} of another job: pass a "
                              "--job-dir beside it, not above it")
+
+
+def check_records_file(path: Path) -> None:
+    """Raise OutputConflict if `path` holds data whose first line is not a batchrun record (a
+    file put in place of a job's results or errors: never cut back or rebuilt over)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return
+    except OSError:
+        return  # said by the regular-file checks
+    with os.fdopen(fd, "rb") as f:
+        head = f.read(1 << 16)
+    line, newline, _ = head.partition(b"\n")
+    if not newline:
+        return  # empty, or a first record cut short by a crash: recovery cuts it
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        record = None
+    if not (isinstance(record, dict) and "custom_id" in record):
+        raise OutputConflict(f"{path} holds data that is not batchrun's records: move it away "
+                             "(or pass another -o), then run the command again")
 
 
 def check_output_file(output: Path) -> None:
@@ -167,6 +197,17 @@ def _check_file(path: Path, what: str, fix: str) -> None:
     if stat.S_ISLNK(mode) and what == "the output":
         fix = "pass the path of the file itself with -o"
     raise OutputConflict(f"{what} {path} is {kind}: {fix}")
+
+
+def _is_our_lock(path: Path) -> bool:
+    """A lock a start of batchrun left (it stopped before writing job.json): a pid, or empty."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode) or os.lstat(path).st_size > 32:
+            return False
+        text = path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return False
+    return text == "" or text.isdigit()
 
 
 def _job_below(folder: Path) -> Path | None:

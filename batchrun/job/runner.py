@@ -100,7 +100,7 @@ class JobSpec:
 
     @property
     def parquet_output(self) -> bool:
-        return self.output.suffix == ".parquet"
+        return self.output.suffix.lower() == ".parquet"
 
     @property
     def results_path(self) -> Path:
@@ -145,7 +145,7 @@ def check_paths(spec: JobSpec) -> None:
         raise JobConflict(str(e)) from None
     # Files the job appends to must be plain files; state.json is only ever replaced whole
     # (whatever stands there, unless a folder).
-    appended = [spec.errors_path, spec.job_dir / "spill.jsonl"]
+    appended = [spec.errors_path, spec.job_dir / "spill.jsonl", spec.job_dir / "lock"]
     if spec.parquet_output:
         appended.append(spec.results_path)
     state = spec.job_dir / "state.json"
@@ -156,6 +156,11 @@ def check_paths(spec: JobSpec) -> None:
             ownership.check_job_file(state)
     except ownership.OutputConflict as e:
         raise JobError(str(e)) from None
+    try:
+        for path in (spec.results_path, spec.errors_path):
+            ownership.check_records_file(path)
+    except ownership.OutputConflict as e:
+        raise JobConflict(str(e)) from None
     if manifest is not None and not spec.restart:
         check_same_job(spec, manifest, {"input": spec.input_fingerprint,
                                         "options": spec.options()})
@@ -314,7 +319,11 @@ class JobRunner(RowWork):
         spec = self.spec
         spec.job_dir.mkdir(parents=True, exist_ok=True)
         spec.output.parent.mkdir(parents=True, exist_ok=True)
-        if not self.lock.acquire():
+        try:
+            held = self.lock.acquire()
+        except DamagedFile as e:
+            raise JobError(str(e)) from None
+        if not held:
             raise JobError(f"job folder {spec.job_dir} is in use by another batchrun process "
                            f"(pid {self.lock.holder()}); wait for it or use another --job-dir")
         self.rows_total = spec.rows_total

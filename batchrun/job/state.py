@@ -74,7 +74,18 @@ class JobLock:
         self._fd: int | None = None
 
     def acquire(self) -> bool:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        """True once held; False if another process holds it. DamagedFile if the lock is not
+        a regular file (never written through a link, never a FIFO)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK,
+                         0o644)
+        except OSError as e:
+            raise DamagedFile(f"{self.path} cannot be opened ({e.strerror or e}): remove it, "
+                              "then run the command again") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise DamagedFile(f"{self.path} is not a regular file: remove it, then run the "
+                              "command again")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
