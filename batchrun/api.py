@@ -94,6 +94,7 @@ class RunOptions:
     prefill_step_size: int = 2048
     cache_dir: Path | None = None
     no_prefix_cache: bool = False
+    no_shared_prefix: bool = False
     restart: bool = False
     quiet: bool = True
     ray_address: str | None = None
@@ -190,6 +191,7 @@ def _plan(input_path: Path, o: RunOptions):
                               prefill_step_size=o.prefill_step_size,
                               memory_utilization=o.memory_utilization,
                               prefix_cache=not o.no_prefix_cache,
+                              shared_prefix=not o.no_shared_prefix,
                               cache_dir=str(o.cache_dir or default_cache_dir()))
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -104,15 +104,47 @@ def run_batch_generate(lm: LoadedModel, w: Workload, concurrency: int) -> Measur
                        completion)
 
 
+def run_hand_cached(lm: LoadedModel, w: Workload, concurrency: int) -> Measurement:
+    """A careful mlx-lm user: the prompts' common prefix prefilled once, a copy of its KV cache
+    given to every row, and batch_generate over the rest of each prompt."""
+    import copy
+
+    from mlx_lm.generate import batch_generate
+    from mlx_lm.models.cache import make_prompt_cache
+
+    start = time.perf_counter()
+    n = _common_prefix(w.prompts)
+    cache = make_prompt_cache(lm.model)
+    if n:
+        lm.model(mx.array(w.prompts[0][:n])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    out = batch_generate(lm.model, lm.tokenizer, [p[n:] for p in w.prompts],
+                         prompt_caches=[copy.deepcopy(cache) for _ in w.prompts],
+                         max_tokens=w.max_tokens, completion_batch_size=concurrency,
+                         return_token_ids=True)
+    return Measurement("mlx-lm batch_generate, prefix prefilled once", time.perf_counter() - start,
+                       w.prompt_tokens, sum(len(t) for t in out.token_ids))
+
+
+def _common_prefix(prompts: list[list[int]]) -> int:
+    """Tokens all prompts start with, leaving each at least one of its own."""
+    n = min(len(p) for p in prompts) - 1
+    first = prompts[0]
+    for p in prompts[1:]:
+        n = next((i for i in range(n) if p[i] != first[i]), n)
+    return max(0, n)
+
+
 def run_batchrun(lm: LoadedModel, w: Workload, concurrency: int, cache_dir: Path | None = None,
-                 name: str = "batchrun engine") -> Measurement:
+                 name: str = "batchrun engine", shared_prefix: bool = True) -> Measurement:
     """batchrun's engine; with `cache_dir`, a prefix cache backed by that folder."""
     cache = None
     if cache_dir is not None:
         cache = make_prefix_cache(lm.fingerprint, 1 << 30, cache_dir,
                                   layout=block_layout(lm.model))
-    engine = Engine(lm.model, lm.tokenizer, EngineConfig(max_concurrency=concurrency),
-                    lm.context_length, prefix_cache=cache, model_fingerprint=lm.fingerprint)
+    config = EngineConfig(max_concurrency=concurrency, shared_prefix=shared_prefix)
+    engine = Engine(lm.model, lm.tokenizer, config, lm.context_length, prefix_cache=cache,
+                    model_fingerprint=lm.fingerprint)
     start = time.perf_counter()
     for prompt, max_tokens in zip(w.prompts, w.max_tokens, strict=True):
         engine.add_tokens(prompt, SamplingParams(max_tokens=max_tokens))
@@ -122,12 +154,16 @@ def run_batchrun(lm: LoadedModel, w: Workload, concurrency: int, cache_dir: Path
     return Measurement(name, wall, w.prompt_tokens, sum(o.completion_tokens for o in outs))
 
 
-def run_prefix_cold_warm(lm: LoadedModel, w: Workload, concurrency: int) -> list[Measurement]:
+def run_prefix_cold_warm(lm: LoadedModel, w: Workload, concurrency: int,
+                         shared_prefix: bool = True) -> list[Measurement]:
     """A cold prefix cache (empty folder), then a warm one: a fresh in-memory cache over the
     folder the cold run filled, as a second process would see it."""
+    how = "" if shared_prefix else ", a copy per row"
     with tempfile.TemporaryDirectory() as folder:
-        cold = run_batchrun(lm, w, concurrency, Path(folder), "batchrun + prefix cache (cold)")
-        warm = run_batchrun(lm, w, concurrency, Path(folder), "batchrun + prefix cache (warm)")
+        cold = run_batchrun(lm, w, concurrency, Path(folder),
+                            f"batchrun + prefix cache (cold{how})", shared_prefix)
+        warm = run_batchrun(lm, w, concurrency, Path(folder),
+                            f"batchrun + prefix cache (warm{how})", shared_prefix)
     return [cold, warm]
 
 
@@ -135,7 +171,9 @@ SYSTEMS = {
     "sequential": lambda lm, w, c: [run_sequential(lm, w)],
     "batch_generate": lambda lm, w, c: [run_batch_generate(lm, w, c)],
     "batchrun": lambda lm, w, c: [run_batchrun(lm, w, c)],
+    "hand_cached": lambda lm, w, c: [run_hand_cached(lm, w, c)],
     "prefix": run_prefix_cold_warm,
+    "prefix_copies": lambda lm, w, c: run_prefix_cold_warm(lm, w, c, shared_prefix=False),
 }
 
 

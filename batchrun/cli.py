@@ -23,7 +23,8 @@ from batchrun.paths import default_cache_dir
 JOB_FILE_KEYS = ("input", "model", "output", "job_dir", "max_concurrency", "max_tokens",
                  "temperature", "top_p", "top_k", "min_p", "seed", "stop", "system",
                  "prompt_template", "id_column", "memory_utilization", "prefill_batch_size",
-                 "prefill_step_size", "cache_dir", "no_prefix_cache", "json_schema", "choices",
+                 "prefill_step_size", "cache_dir", "no_prefix_cache", "no_shared_prefix",
+                 "json_schema", "choices",
                  "regex", "n", "logprobs", "top_logprobs", "image_column", "media_root",
                  "allow_private_urls", "media_timeout", "vision", "ray_address",
                  "ray_actors", "ray_num_cpus", "ray_num_gpus", "ray_slice_rows")
@@ -130,6 +131,9 @@ def _show_warnings() -> None:
               envvar="BATCHRUN_CACHE_DIR",
               help="prefix-cache folder [default: $BATCHRUN_CACHE_DIR or ~/.cache/batchrun]")
 @click.option("--no-prefix-cache", is_flag=True, help="neither read nor write the prefix cache")
+@click.option("--no-shared-prefix", is_flag=True,
+              help="each row holds its own copy of a cached prefix's KV (instead of all rows "
+                   "attending one shared copy)")
 @click.option("--restart", is_flag=True, help="discard earlier progress of this job")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @click.option("--debug", is_flag=True, help="show tracebacks")
@@ -381,8 +385,10 @@ def _read_job(job_dir: Path) -> tuple[dict, dict | None]:
 @click.option("--max-concurrency", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--systems", default="sequential,batch_generate,batchrun,prefix",
               show_default=True,
-              help="comma-separated: sequential, batch_generate, batchrun, prefix (batchrun "
-                   "with a cold, then a warm prefix cache)")
+              help="comma-separated: sequential, batch_generate, hand_cached (batch_generate "
+                   "with the common prefix prefilled once and copied to every row), batchrun, "
+                   "prefix (batchrun with a cold, then a warm prefix cache), prefix_copies (the "
+                   "same, each row holding its own copy of the prefix)")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None,
               help="also write the figures to this JSON file")
 def bench(model: str | None, shape: str | None, workload: str, rows: int, max_tokens: int,

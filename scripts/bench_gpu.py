@@ -23,7 +23,7 @@ import batchrun  # noqa: F401
 # isort: split
 import mlx.core as mx
 
-import batchrun.engine.engine as engine_module
+import batchrun.engine.text as text_module
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import EngineConfig, SamplingParams
 from batchrun.models import load_model
@@ -170,10 +170,10 @@ def engine_decode_only(lm, batch: int, steps: int = 32) -> dict:
         engine = Engine(lm.model, lm.tokenizer, EngineConfig(max_concurrency=batch,
                                                              prefill_batch_size=64),
                         lm.context_length)
-        engine._gen._stream = stream
+        engine.backend._gen._stream = stream
         for p in prompts(batch, 777):
             engine.add_tokens(p, SamplingParams(max_tokens=steps + 64))
-        while engine.num_waiting or len(engine._gen._generation_batch) < batch:
+        while engine.num_waiting or len(engine.backend._gen._generation_batch) < batch:
             engine.step()
         for _ in range(4):
             engine.step()
@@ -302,9 +302,9 @@ def main() -> None:
         if name == "batchrun":
             r = run_batchrun(lm, ps, c)
         elif name == "batchrun_mlx_step":  # batchrun on mlx-lm's own GenerationBatch
-            engine_module.LEAN_STEP = False
+            text_module.LEAN_STEP = False
             r = run_batchrun(lm, ps, c)
-            engine_module.LEAN_STEP = True
+            text_module.LEAN_STEP = True
         elif name == "batch_generate":
             r = run_batch_generate(lm, ps, c)
         else:

@@ -28,6 +28,9 @@ class Backend(Protocol):
     def start(self, max_concurrency: int, config: EngineConfig) -> None:
         """A fresh, empty batch (dropping the old one, after a fault)."""
 
+    def share_prefixes(self, on: bool) -> bool:
+        """Rows starting from cached blocks attend one shared copy; whether they now do."""
+
     def detokenizer(self) -> Any:
         """A new streaming detokenizer (add_token, text)."""
 
@@ -45,6 +48,10 @@ class Backend(Protocol):
 
     def remove(self, uid: int, in_batch: bool) -> None:
         """A row is finished; `in_batch`: the batch has not dropped it itself."""
+
+    def compute_prefix(self, tokens: list[int], blocks: list[Block]) -> list[tuple]:
+        """Prefill `tokens` for one row alone, after `blocks` (cached already): each layer's
+        (keys, values) over all of them, for the prefix cache."""
 
     def extract_cache(self, uid: int) -> list:
         """A running row's KV cache, one object per layer (keys, values, offset)."""

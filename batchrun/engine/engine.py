@@ -6,8 +6,9 @@ Invariants:
   exception while stepping loses no row (scheduler.py);
 - sampling randomness belongs to the request (sampling.py), so a row's text does not depend on
   which other rows share its batch;
-- with a prefix cache, a prompt prefix shared by queued or running rows is computed by one of
-  them while the others wait for its blocks, then reuse them (prefix_plan.py).
+- with a prefix cache, a prompt prefix shared by queued or running rows is computed once, into
+  the cache, before the first of them starts; all of them then start from the cache
+  (prefix_plan.py), attending one shared copy of it where the backend can (shared_prefix.py).
 
 Each `step()` admits what fits, runs one backend step (a decode step for the running rows, and a
 prefill chunk for rows joining) and returns the requests that finished.
@@ -28,6 +29,7 @@ from batchrun.engine.choices import answer_choice
 from batchrun.engine.constrain import ConstraintError, Grammars, choice_token_ids
 from batchrun.engine.memory import MemoryBudget, kv_budget, measure_kv
 from batchrun.engine.postprocess import Step, StopScanner, make_output, record_logprobs
+from batchrun.engine.prefix_plan import PrefixNeeded
 from batchrun.engine.request import (
     EngineConfig,
     EngineStats,
@@ -188,7 +190,7 @@ class Engine(Requests, CacheControl):
 
     def step(self) -> list[Output]:
         """Admit what fits, run one backend step; return the requests that finished."""
-        self._insert(self.scheduler.schedule())
+        self._admit()
         if self.scheduler.running:
             start = time.perf_counter()
             try:
@@ -201,6 +203,26 @@ class Engine(Requests, CacheControl):
         finished, self._finished = self._finished, []
         self.stats.requests_finished += len(finished)
         return finished
+
+    def _admit(self) -> None:
+        """Start what fits, computing shared prefixes into the cache first where needed."""
+        while True:
+            batch, prefix = self.scheduler.schedule()
+            self._insert(batch)
+            if prefix is None:
+                return
+            self._compute_prefix(prefix)
+
+    def _compute_prefix(self, need: PrefixNeeded) -> None:
+        """Prefill a prefix that rows share, once, into the prefix cache."""
+        need.seq.prefix_computed = True  # tried once: a failure or an eviction is not retried
+        start = time.perf_counter()
+        try:
+            layer_kv = self.backend.compute_prefix(need.seq.prompt[: need.upto], need.blocks)
+        except Exception:  # the rows then compute it themselves; their own errors say why
+            return
+        self.prefix_cache.store(need.seq.prompt, layer_kv, need.upto)
+        self.stats.prefill_time += time.perf_counter() - start
 
     def _insert(self, batch: list[tuple[Sequence, list[Block]]]) -> None:
         # Prefill goes in insertion order, prefill_batch_size at a time, each group padded to
@@ -235,8 +257,6 @@ class Engine(Requests, CacheControl):
             in_batch = step.finish_reason is None
             if seq.ttft is None:
                 seq.ttft = now - seq.admitted_at
-                if seq.store_upto > seq.cached:
-                    self.scheduler.planner.store(seq, self.backend.extract_cache(step.uid))
                 if seq.choice_tokens is not None:
                     self._answer_choice(seq, step)
                     continue

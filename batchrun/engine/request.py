@@ -109,6 +109,9 @@ class EngineConfig:
     prefix_cache_fraction: float = 0.2
     prefix_block_size: int = 64
     cache_dir: str | None = None
+    # Rows starting with the same cached prefix attend one shared copy of its KV (False: each
+    # row holds its own copy, as before; kept for side-by-side benchmarks).
+    shared_prefix: bool = True
 
     def __post_init__(self) -> None:
         _check(self.max_concurrency is None or self.max_concurrency >= 1, "max_concurrency",

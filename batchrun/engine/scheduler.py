@@ -3,8 +3,8 @@
 Invariants:
 - a sequence is admitted only when the running batch's KV cache, with it, fits the memory
   budget, and at most `max_concurrency` run at once;
-- with a prefix cache, a row waits while a leader computes the prefix blocks it needs
-  (prefix_plan.py);
+- with a prefix cache, a prefix that rows share is computed into the cache before the first of
+  them starts (prefix_plan.py), and every one of them starts from the cache;
 - after a failed step no row is lost: the running rows restart in two halves, each run on its
   own (`isolated`), halving again on failure; a row fails only when it fails alone. An
   out-of-memory error halves the concurrency instead.
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from batchrun.cache.prefix import Block
 from batchrun.engine.memory import MemoryBudget
-from batchrun.engine.prefix_plan import PrefixPlanner
+from batchrun.engine.prefix_plan import PrefixNeeded, PrefixPlanner
 from batchrun.engine.sequence import Sequence, Status
 
 
@@ -26,6 +26,7 @@ class Scheduler:
         self.memory = memory
         self.max_concurrency = max_concurrency
         self.planner: PrefixPlanner | None = None
+        self.shares_prefix = False  # a row's cached prefix is shared: not in its own KV
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # by the backend's uid
         self._retry_groups: deque[list[Sequence]] = deque()  # rows to rerun after a fault
@@ -40,32 +41,41 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._retry_groups)
 
-    def schedule(self) -> list[tuple[Sequence, list[Block]]]:
-        """The sequences to start now, each with the cached prefix blocks it starts from."""
+    def schedule(self) -> tuple[list[tuple[Sequence, list[Block]]], PrefixNeeded | None]:
+        """The sequences to start now, each with the cached prefix blocks it starts from; and
+        a shared prefix to compute before the next one can start, if one is needed."""
         if self._isolated:
-            return []  # a retry group runs on its own until it is done
+            return [], None  # a retry group runs on its own until it is done
         if self._retry_groups:
             group = self._retry_groups.popleft()
             self._isolated = {seq.id for seq in group}
-            for seq in group:
-                self.memory.add(seq.id, seq.length)
-            return [(seq, self._plan(seq) or []) for seq in group]
+            planned = [(seq, self._plan(seq, compute=False)) for seq in group]
+            for seq, _ in planned:
+                self._admit(seq)
+            return planned, None
         batch: list[tuple[Sequence, list[Block]]] = []
-        deferred: list[Sequence] = []
-        while (self.waiting and len(self.running) + len(batch) < self.max_concurrency
-               and self.memory.fits(self.waiting[0].length)):
+        while self.waiting and len(self.running) + len(batch) < self.max_concurrency:
+            plan = self._plan(self.waiting[0])
+            if isinstance(plan, PrefixNeeded):
+                return batch, plan
+            if not self.memory.fits(self._kv_tokens(self.waiting[0])):
+                break
             seq = self.waiting.popleft()
-            blocks = self._plan(seq)
-            if blocks is None:  # a leader is computing this row's prefix: wait for it
-                deferred.append(seq)
-                continue
-            self.memory.add(seq.id, seq.length)
-            batch.append((seq, blocks))
-        self.waiting.extendleft(reversed(deferred))
-        return batch
+            self._admit(seq)
+            batch.append((seq, plan))
+        return batch, None
 
-    def _plan(self, seq: Sequence) -> list[Block] | None:
-        return [] if self.planner is None else self.planner.plan(seq)
+    def _admit(self, seq: Sequence) -> None:
+        self.memory.add(seq.id, self._kv_tokens(seq))
+        if self.planner is not None:
+            self.planner.admitted(seq)
+
+    def _kv_tokens(self, seq: Sequence) -> int:
+        """The tokens of KV the row holds itself (a shared prefix is held once, elsewhere)."""
+        return seq.length - (seq.cached if self.shares_prefix else 0)
+
+    def _plan(self, seq: Sequence, compute: bool = True) -> list[Block] | PrefixNeeded:
+        return [] if self.planner is None else self.planner.plan(seq, compute)
 
     def started(self, seq: Sequence, uid: int) -> None:
         seq.uid, seq.status = uid, Status.RUNNING
@@ -104,8 +114,6 @@ class Scheduler:
         self._isolated.clear()
         for seq in rows:
             self.memory.remove(seq.id)
-            if self.planner is not None:
-                self.planner.drop_leadership(seq)
             restart(seq)
         if out_of_memory and len(rows) > 1:
             self.max_concurrency = max(1, len(rows) // 2)

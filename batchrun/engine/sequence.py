@@ -39,10 +39,10 @@ class Sequence:
     admitted_at: float = 0.0
     ttft: float | None = None
     # Prefix cache (prefix_plan.py): the prompt's block keys, the tokens served from the cache,
-    # and the tokens whose blocks this row computes and stores for others.
+    # and whether the prefix it shares with other rows was computed for it (tried once).
     block_keys: list[bytes] = field(default_factory=list)
     cached: int = 0
-    store_upto: int = 0
+    prefix_computed: bool = False
     # Choices rows (choices.py): each choice's tokens, their log-probabilities, the answer.
     choice_tokens: list[list[int]] | None = None
     choice_logprobs: dict[str, float] | None = None
@@ -66,4 +66,4 @@ class Sequence:
         self.top_logprobs = [] if self.params.top_logprobs else None
         self.stops = stops
         self.processor, self.choice_logprobs, self.answer = None, None, None
-        self.cached = self.store_upto = 0
+        self.cached = 0

@@ -7,9 +7,12 @@ those blocks as its KV cache and only the rest of its prompt to prefill.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import make_prompt_cache
 
 from batchrun.cache.prefix import Block, PrefixCache
 from batchrun.engine.batch import LeanGenerationBatch
@@ -18,6 +21,9 @@ from batchrun.engine.prompt import PromptBuilder
 from batchrun.engine.request import EngineConfig, SamplingParams
 from batchrun.engine.sampling import make_sampler
 from batchrun.engine.sequence import Sequence
+from batchrun.engine.shared_prefix import PrefixedCache, SharedPrefix, install
+
+SHARED_PREFIXES_KEPT = 8  # distinct shared prefixes kept for rows still to come
 
 LEAN_STEP = True  # False: mlx-lm's own GenerationBatch (kept for the side-by-side benchmark)
 
@@ -37,9 +43,19 @@ class TextBackend:
         self._eos_stops = StopSequences([(t,) for t in self.eos])
         self._logprob_uids: set[int] = set()  # running rows whose steps carry logprobs
         self._gen: BatchGenerator | None = None
+        self.shares_prefix = False  # rows attend one shared copy of a cached prefix
+        self._shared: OrderedDict[tuple[bytes, int], SharedPrefix] = OrderedDict()
+        self._layers = len(make_prompt_cache(model))
+
+    def share_prefixes(self, on: bool) -> bool:
+        """Rows starting from cached blocks attend one shared copy of them (shared_prefix.py)
+        where the model's architecture allows; returns whether they do."""
+        self.shares_prefix = on and install(self.model)
+        return self.shares_prefix
 
     def start(self, max_concurrency: int, config: EngineConfig) -> None:
         self.close()
+        self._prefill_step = config.prefill_step_size
         self._logprob_uids.clear()
         self._gen = BatchGenerator(
             self.model, stop_tokens=[[t] for t in self.eos],
@@ -63,7 +79,7 @@ class TextBackend:
         uids = self._gen.insert(
             [s.prompt[s.cached:] for s in seqs],
             max_tokens=[s.max_tokens for s in seqs],
-            caches=[PrefixCache.to_kv_caches(b) if b else None for b in blocks],
+            caches=[self._row_cache(b) for b in blocks],
             all_tokens=[s.prompt[: s.cached] for s in seqs],
             samplers=[make_sampler(s.params, s.seed) for s in seqs],
             logits_processors=[[s.processor] if s.processor else [] for s in seqs],
@@ -73,6 +89,36 @@ class TextBackend:
             if s.params.logprobs or s.params.top_logprobs or s.choice_tokens:
                 self._logprob_uids.add(uid)
         return uids
+
+    def _row_cache(self, blocks: list[Block]) -> list | None:
+        """A row's starting cache: a copy of its cached blocks, or (sharing) a reference to
+        the one shared copy of them."""
+        if not self.shares_prefix:
+            return PrefixCache.to_kv_caches(blocks) if blocks else None
+        prefix = self._shared_prefix(blocks) if blocks else None
+        return [PrefixedCache(prefix, layer) for layer in range(self._layers)]
+
+    def _shared_prefix(self, blocks: list[Block]) -> SharedPrefix:
+        key = (blocks[-1].key, len(blocks))
+        prefix = self._shared.get(key)
+        if prefix is None:
+            prefix = self._shared[key] = SharedPrefix.from_blocks(blocks)
+            if len(self._shared) > SHARED_PREFIXES_KEPT:
+                self._shared.popitem(last=False)  # rows running with it still hold it
+        self._shared.move_to_end(key)
+        return prefix
+
+    def compute_prefix(self, tokens: list[int], blocks: list[Block]) -> list[tuple]:
+        """Prefill `tokens` for one row on its own (after `blocks`, their first part already
+        cached); each layer's (keys, values) over all of them."""
+        caches = PrefixCache.to_kv_caches(blocks) if blocks else make_prompt_cache(self.model)
+        done = caches[0].offset
+        while done < len(tokens):
+            chunk = tokens[done: done + self._prefill_step]
+            self.model(mx.array(chunk)[None], cache=caches)
+            mx.eval([c.state for c in caches])
+            done += len(chunk)
+        return [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
 
     def _stops(self, params: SamplingParams) -> StopSequences:
         if not params.stop_token_ids:

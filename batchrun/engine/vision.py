@@ -178,6 +178,9 @@ class VisionBackend:
             prefill_step_size=config.prefill_step_size,
             compute_logprobs=True, top_logprobs_k=MAX_TOP_LOGPROBS, greedy_sampling=True)
 
+    def share_prefixes(self, on: bool) -> bool:
+        return False
+
     def detokenizer(self) -> Any:
         return self._wrapped.detokenizer
 
@@ -216,6 +219,9 @@ class VisionBackend:
             self._gen.remove(uid)
 
     def extract_cache(self, uid: int) -> list:
+        raise NotImplementedError("the vision backend serves no prefix cache")
+
+    def compute_prefix(self, tokens: list[int], blocks: list) -> list[tuple]:
         raise NotImplementedError("the vision backend serves no prefix cache")
 
     def close(self) -> None:

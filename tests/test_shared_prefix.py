@@ -1,0 +1,168 @@
+"""Shared-prefix attention: rows that start with the same cached prefix attend one copy of its
+KV, and give the same tokens as without it: alone or batched, cold, warm or with a damaged
+cache, with two prefixes in one batch, greedy or seeded."""
+
+import logging
+
+import mlx.core as mx
+import pytest
+
+from batchrun.cache import block_layout, make_prefix_cache
+from batchrun.engine import shared_prefix
+from batchrun.engine.engine import Engine
+from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.engine.shared_prefix import (
+    PrefixedCache,
+    SharedPrefix,
+    SharedPrefixBatchCache,
+    attention_with_prefix,
+)
+
+FIRST = "You label product reviews as positive, negative or neutral. " + " ".join(
+    f"Example {i}: the kettle is sturdy and quiet, so it is positive." for i in range(14))
+SECOND = "Translate the review into a one-word mood. " + " ".join(
+    f"Sample {i}: the lamp flickers and hums, so the mood is gloomy." for i in range(14))
+
+
+def rows(instruction: str, n: int, start: int = 0) -> list[list[dict]]:
+    return [[{"role": "system", "content": instruction},
+             {"role": "user", "content": f"Review {i}: it is {'great' if i % 2 else 'awful'}"}]
+            for i in range(start, start + n)]
+
+
+GREEDY = SamplingParams(max_tokens=10)
+
+
+def run(demo, chats, cache_dir=None, shared=True, prefix=True, concurrency=16, params=GREEDY):
+    cache = None
+    if prefix:
+        cache = make_prefix_cache(demo.fingerprint, 1 << 30, cache_dir, block_size=32,
+                                  layout=block_layout(demo.model))
+    engine = Engine(demo.model, demo.tokenizer,
+                    EngineConfig(max_concurrency=concurrency, shared_prefix=shared),
+                    demo.context_length, prefix_cache=cache, model_fingerprint=demo.fingerprint)
+    outs = engine.generate(chats, params)
+    return [o.token_ids for o in outs], engine
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    return rows(FIRST, 10) + rows(SECOND, 10) + rows(FIRST, 6, start=10)
+
+
+@pytest.fixture(scope="module")
+def reference(demo, mixed):
+    return run(demo, mixed, prefix=False)[0]
+
+
+@pytest.mark.parametrize("concurrency", [1, 64])
+def test_greedy_tokens_are_the_same_as_without_a_prefix_cache(demo, mixed, reference,
+                                                              concurrency):
+    tokens, engine = run(demo, mixed, concurrency=concurrency)
+    assert engine.scheduler.shares_prefix
+    assert engine.get_cache_stats()["hit_tokens"] > 0
+    assert tokens == reference
+
+
+def test_cold_warm_and_damaged_disk_caches_give_the_same_tokens(demo, mixed, reference,
+                                                                tmp_path):
+    folder = tmp_path / "cache"
+    cold, _ = run(demo, mixed, folder)
+    warm, engine = run(demo, mixed, folder)
+    assert engine.get_cache_stats()["disk_loaded_blocks"] > 0
+    for entry in folder.rglob("*.safetensors"):
+        data = bytearray(entry.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        entry.write_bytes(bytes(data))
+    damaged, _ = run(demo, mixed, folder)
+    assert cold == warm == damaged == reference
+
+
+def test_seeded_sampling_is_unchanged(demo, mixed):
+    params = SamplingParams(max_tokens=10, temperature=0.8, seed=3)
+    plain, _ = run(demo, mixed, prefix=False, params=params)
+    shared, _ = run(demo, mixed, params=params)
+    assert shared == plain
+
+
+def test_two_prefixes_in_one_batch_are_held_once_each(demo, mixed):
+    seen = []
+    real = shared_prefix.attention_with_prefix
+
+    def spy(queries, keys, values, cache, scale, mask):
+        seen.append([id(p) for p, _ in cache.groups()])
+        return real(queries, keys, values, cache, scale, mask)
+
+    shared_prefix.attention_with_prefix = spy
+    try:
+        run(demo, mixed, concurrency=64)
+    finally:
+        shared_prefix.attention_with_prefix = real
+    assert max(len(groups) for groups in seen) == 2  # both instructions, one copy each
+
+
+def test_a_row_holds_only_its_own_tokens_in_the_memory_budget(demo, mixed, reference):
+    """Under a KV budget that fits a few whole rows, sharing the prefix runs many more at once."""
+    probe = run(demo, mixed[:1], prefix=False)[1]
+    whole = len(probe.prompts.encode_chat(mixed[0])) + 10
+    budget = probe.memory.cost([whole]) * 3
+    batches = {}
+    for shared in (True, False):
+        cache = make_prefix_cache(demo.fingerprint, 1 << 30, None, block_size=32,
+                                  layout=block_layout(demo.model))
+        engine = Engine(demo.model, demo.tokenizer,
+                        EngineConfig(max_concurrency=64, shared_prefix=shared,
+                                     kv_budget_bytes=budget),
+                        demo.context_length, prefix_cache=cache,
+                        model_fingerprint=demo.fingerprint)
+        outs = engine.generate(mixed, SamplingParams(max_tokens=10))
+        assert [o.token_ids for o in outs] == reference
+        batches[shared] = engine.stats.mean_batch_size
+    assert batches[False] <= 3
+    assert batches[True] > 2 * batches[False]
+
+
+def test_cascade_attention_equals_attention_over_the_whole_sequence():
+    mx.random.seed(0)
+    B, heads, kv_heads, L, D, P = 3, 4, 2, 5, 16, 40
+    q = mx.random.normal((B, heads, L, D))
+    prefix_k = mx.random.normal((1, kv_heads, P, D))
+    prefix_v = mx.random.normal((1, kv_heads, P, D))
+    own_k, own_v = mx.random.normal((B, kv_heads, L, D)), mx.random.normal((B, kv_heads, L, D))
+    cache = SharedPrefixBatchCache([SharedPrefix([prefix_k], [prefix_v])] * 2 + [None], 0)
+    mask = mx.tril(mx.ones((L, L), dtype=mx.bool_))[None, None]
+    got = attention_with_prefix(q, own_k, own_v, cache, 0.25, mask)
+    for b in range(B):
+        keys = own_k[b: b + 1] if b == 2 else mx.concatenate([prefix_k, own_k[b: b + 1]], 2)
+        values = own_v[b: b + 1] if b == 2 else mx.concatenate([prefix_v, own_v[b: b + 1]], 2)
+        full = mx.concatenate([mx.ones((L, keys.shape[2] - L), dtype=mx.bool_),
+                               mx.tril(mx.ones((L, L), dtype=mx.bool_))], axis=1)
+        want = mx.fast.scaled_dot_product_attention(q[b: b + 1], keys, values, scale=0.25,
+                                                    mask=full[None, None])
+        assert mx.allclose(got[b: b + 1], want, atol=1e-5).item()
+
+
+def test_a_copied_batch_still_shares_its_prefix():
+    import copy
+
+    prefix = SharedPrefix([mx.zeros((1, 2, 8, 4))], [mx.zeros((1, 2, 8, 4))])
+    batch = PrefixedCache.merge([PrefixedCache(prefix, 0), PrefixedCache(prefix, 0)])
+    clone = copy.deepcopy(batch)
+    assert clone.prefixes[0] is prefix and clone.prefixes[1] is prefix
+    assert clone.offset.tolist() == [8, 8]  # positions count the prefix
+
+
+def test_an_architecture_without_the_shared_attention_function_falls_back_once(caplog):
+    class Attention:
+        pass
+
+    class Layer:
+        self_attn = Attention()
+
+    class Model:
+        layers = [Layer()]
+
+    with caplog.at_level(logging.WARNING, logger="batchrun"):
+        assert not shared_prefix.install(Model())
+        assert not shared_prefix.install(Model())
+    assert len([r for r in caplog.records if "shared-prefix attention" in r.message]) == 1
