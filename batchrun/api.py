@@ -90,7 +90,7 @@ class RunOptions:
     prompt_template: str | None = None
     id_column: str | None = None
     memory_utilization: float = 0.85
-    prefill_batch_size: int = 8
+    prefill_batch_size: int | None = None  # None: rows are bounded by tokens (the device's)
     prefill_step_size: int = 2048
     cache_dir: Path | None = None
     no_prefix_cache: bool = False

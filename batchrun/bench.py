@@ -49,6 +49,8 @@ class Measurement:
         return (self.prompt_tokens + self.completion_tokens) / self.wall_s
 
 
+ENGINE_OPTIONS: dict = {}  # more EngineConfig fields for batchrun's runs (the CLI's flags)
+
 WORKLOADS = {
     # name: (prompt tokens low, high, new tokens low, high or None for --max-tokens)
     "short": (16, 32, None),
@@ -142,7 +144,8 @@ def run_batchrun(lm: LoadedModel, w: Workload, concurrency: int, cache_dir: Path
     if cache_dir is not None:
         cache = make_prefix_cache(lm.fingerprint, 1 << 30, cache_dir,
                                   layout=block_layout(lm.model))
-    config = EngineConfig(max_concurrency=concurrency, shared_prefix=shared_prefix)
+    config = EngineConfig(max_concurrency=concurrency, shared_prefix=shared_prefix,
+                          **ENGINE_OPTIONS)
     engine = Engine(lm.model, lm.tokenizer, config, lm.context_length, prefix_cache=cache,
                     model_fingerprint=lm.fingerprint)
     start = time.perf_counter()

@@ -125,7 +125,9 @@ def _show_warnings() -> None:
 @click.option("--id-column", default=None, help="column that holds the row id")
 @click.option("--memory-utilization", type=click.FloatRange(0, 1, min_open=True), default=0.85,
               show_default=True, help="fraction of device memory for weights + KV caches")
-@click.option("--prefill-batch-size", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--prefill-batch-size", type=click.IntRange(min=1), default=None,
+              help="most rows prefilled together (default: as many as fit the device's "
+                   "prefill token budget)")
 @click.option("--prefill-step-size", type=click.IntRange(min=1), default=2048, show_default=True)
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               envvar="BATCHRUN_CACHE_DIR",
@@ -389,10 +391,13 @@ def _read_job(job_dir: Path) -> tuple[dict, dict | None]:
                    "with the common prefix prefilled once and copied to every row), batchrun, "
                    "prefix (batchrun with a cold, then a warm prefix cache), prefix_copies (the "
                    "same, each row holding its own copy of the prefix)")
+@click.option("--prefill-batch-size", type=click.IntRange(min=1), default=None,
+              help="batchrun's prefill batch (default: the engine's)")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None,
               help="also write the figures to this JSON file")
 def bench(model: str | None, shape: str | None, workload: str, rows: int, max_tokens: int,
-          max_concurrency: int, systems: str, json_out: Path | None) -> None:
+          max_concurrency: int, systems: str, prefill_batch_size: int | None,
+          json_out: Path | None) -> None:
     """Side-by-side throughput: sequential mlx-lm, batch_generate and batchrun."""
     import orjson
 
@@ -403,6 +408,8 @@ def bench(model: str | None, shape: str | None, workload: str, rows: int, max_to
     if unknown:
         raise click.BadParameter(f"unknown systems: {', '.join(sorted(unknown))}",
                                  param_hint="--systems")
+    if prefill_batch_size:
+        b.ENGINE_OPTIONS["prefill_batch_size"] = prefill_batch_size
     lm = b.model_for(model, shape, default_cache_dir())
     w = b.make_workload(lm.tokenizer, workload, rows, max_tokens)
     max_tokens_text = (f"{min(w.max_tokens)}-{max(w.max_tokens)}"

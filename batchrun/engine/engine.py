@@ -16,6 +16,7 @@ prefill chunk for rows joining) and returns the requests that finished.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from typing import Any
@@ -36,12 +37,12 @@ from batchrun.engine.request import (
     FinishReason,
     Output,
     SamplingParams,
+    device_defaults,
 )
 from batchrun.engine.requests import Requests
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence, Status
 
-MAX_AUTO_CONCURRENCY = 256
 TIMELINE_INTERVAL_S = 0.5
 
 
@@ -63,7 +64,10 @@ class Engine(Requests, CacheControl):
         self.model = model
         self.tokenizer = backend.tokenizer
         self.prompts = backend.prompts
-        self.config = config or EngineConfig()
+        cap, prefill_tokens = device_defaults()
+        config = config or EngineConfig()
+        self.config = dataclasses.replace(config, prefill_tokens=config.prefill_tokens
+                                          or prefill_tokens)
         self.context_length = context_length
         self.model_path = model_path
         self.model_fingerprint = model_fingerprint
@@ -71,8 +75,8 @@ class Engine(Requests, CacheControl):
         if budget is None:
             budget = kv_budget(model, self.config.memory_utilization)
         self.memory = MemoryBudget(measure_kv(backend.kv_model), budget)
-        self.scheduler = Scheduler(self.memory,
-                                   self.config.max_concurrency or MAX_AUTO_CONCURRENCY)
+        self.scheduler = Scheduler(self.memory, self.config.max_concurrency or cap,
+                                   self.config.prefill_batch_size)
         self.prefix_cache = prefix_cache
         self._grammars: Grammars | None = None
         self._ids = itertools.count()
@@ -207,11 +211,18 @@ class Engine(Requests, CacheControl):
     def _admit(self) -> None:
         """Start what fits, computing shared prefixes into the cache first where needed."""
         while True:
-            batch, prefix = self.scheduler.schedule()
+            batch, prefix = self.scheduler.schedule(self.config.prefill_tokens
+                                                    - self._prefilling_tokens())
             self._insert(batch)
             if prefix is None:
                 return
             self._compute_prefix(prefix)
+
+    def _prefilling_tokens(self) -> int:
+        """Padded prompt tokens of the rows in the batch that have not produced a token yet."""
+        waiting = [len(s.prompt) - s.cached for s in self.scheduler.running.values()
+                   if s.ttft is None]
+        return len(waiting) * max(waiting, default=0)
 
     def _compute_prefix(self, need: PrefixNeeded) -> None:
         """Prefill a prefix that rows share, once, into the prefix cache."""
@@ -225,8 +236,7 @@ class Engine(Requests, CacheControl):
         self.stats.prefill_time += time.perf_counter() - start
 
     def _insert(self, batch: list[tuple[Sequence, list[Block]]]) -> None:
-        # Prefill goes in insertion order, prefill_batch_size at a time, each group padded to
-        # its longest prompt: inserting by length wastes less on padding.
+        # A prefill pads its rows to the longest: inserting by length wastes less on padding.
         batch.sort(key=lambda item: len(item[0].prompt) - item[0].cached)
         ready = []
         for seq, blocks in batch:

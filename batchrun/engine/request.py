@@ -96,8 +96,12 @@ class Output:
 class EngineConfig:
     """Scheduling and memory knobs."""
 
-    max_concurrency: int | None = None  # None: as many as memory allows, capped at 256
-    prefill_batch_size: int = 8
+    max_concurrency: int | None = None  # None: as many as memory allows, capped by the device
+    # Rows joining the batch per prefill: at most prefill_batch_size of them (None: no cap but
+    # the next), their uncached prompt tokens, padded to the longest, at most prefill_tokens
+    # (None: chosen from the device, see device_defaults).
+    prefill_batch_size: int | None = None
+    prefill_tokens: int | None = None
     prefill_step_size: int = 2048
     # Fraction of device memory (RAM on CPU) that weights + KV caches may use.
     memory_utilization: float = 0.85
@@ -116,10 +120,27 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(self.max_concurrency is None or self.max_concurrency >= 1, "max_concurrency",
                self.max_concurrency, "an integer >= 1")
-        _check(self.prefill_batch_size >= 1, "prefill_batch_size", self.prefill_batch_size, ">= 1")
+        _check(self.prefill_batch_size is None or self.prefill_batch_size >= 1,
+               "prefill_batch_size", self.prefill_batch_size, ">= 1")
+        _check(self.prefill_tokens is None or self.prefill_tokens >= 1, "prefill_tokens",
+               self.prefill_tokens, ">= 1")
         _check(self.prefill_step_size >= 1, "prefill_step_size", self.prefill_step_size, ">= 1")
         _check(0 < self.memory_utilization <= 1, "memory_utilization", self.memory_utilization,
                "in (0, 1]")
+
+
+# (concurrency cap, prefill token budget) by device. Measured: on this 2-core CPU a prefill of
+# ~2k padded tokens (8 rows of the mixed workload, or 64 labeling rows past a cached prefix);
+# on the H200, 1B model, 256 rows x 128 tokens a prefill and up to 1,024 rows decoding gave
+# 2.3x the throughput of the CPU's settings (BENCHMARKS.md, issues 13 and 14).
+DEVICE_DEFAULTS = {"cpu": (256, 2048), "gpu": (1024, 32768)}
+
+
+def device_defaults() -> tuple[int, int]:
+    """(concurrency cap, prefill token budget) for the default device."""
+    import mlx.core as mx
+
+    return DEVICE_DEFAULTS["cpu" if mx.default_device() == mx.cpu else "gpu"]
 
 
 @dataclass(slots=True)

@@ -22,9 +22,11 @@ from batchrun.engine.sequence import Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, memory: MemoryBudget, max_concurrency: int):
+    def __init__(self, memory: MemoryBudget, max_concurrency: int,
+                 prefill_rows: int | None = None):
         self.memory = memory
         self.max_concurrency = max_concurrency
+        self.prefill_rows = prefill_rows  # most rows started at once (None: no cap)
         self.planner: PrefixPlanner | None = None
         self.shares_prefix = False  # a row's cached prefix is shared: not in its own KV
         self.waiting: deque[Sequence] = deque()
@@ -41,9 +43,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._retry_groups)
 
-    def schedule(self) -> tuple[list[tuple[Sequence, list[Block]]], PrefixNeeded | None]:
+    def schedule(self, prefill_room: int
+                 ) -> tuple[list[tuple[Sequence, list[Block]]], PrefixNeeded | None]:
         """The sequences to start now, each with the cached prefix blocks it starts from; and
-        a shared prefix to compute before the next one can start, if one is needed."""
+        a shared prefix to compute before the next one can start, if one is needed. Their
+        uncached prompt tokens, padded to the longest, stay within `prefill_room` (one row
+        always starts if none is prefilling)."""
         if self._isolated:
             return [], None  # a retry group runs on its own until it is done
         if self._retry_groups:
@@ -54,16 +59,26 @@ class Scheduler:
                 self._admit(seq)
             return planned, None
         batch: list[tuple[Sequence, list[Block]]] = []
-        while self.waiting and len(self.running) + len(batch) < self.max_concurrency:
-            plan = self._plan(self.waiting[0])
+        longest = 0
+        while (self.waiting and len(self.running) + len(batch) < self.max_concurrency
+               and (self.prefill_rows is None or len(batch) < self.prefill_rows)):
+            head = self.waiting[0]
+            plan = self._plan(head)
             if isinstance(plan, PrefixNeeded):
                 return batch, plan
-            if not self.memory.fits(self._kv_tokens(self.waiting[0])):
+            longest = max(longest, len(head.prompt) - head.cached)
+            over = (len(batch) + 1) * longest > prefill_room
+            if over and (batch or prefill_room < 0 or self._prefilling()):
+                break
+            if not self.memory.fits(self._kv_tokens(head)):
                 break
             seq = self.waiting.popleft()
             self._admit(seq)
             batch.append((seq, plan))
         return batch, None
+
+    def _prefilling(self) -> bool:
+        return any(seq.ttft is None for seq in self.running.values())
 
     def _admit(self, seq: Sequence) -> None:
         self.memory.add(seq.id, self._kv_tokens(seq))

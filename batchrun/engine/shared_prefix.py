@@ -26,7 +26,10 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 log = logging.getLogger("batchrun")
 # Scores of the prefix part are materialized: row chunks keep them under this many elements.
-MAX_SCORE_ELEMENTS = 1 << 26
+MAX_SCORE_ELEMENTS = 1 << 24
+# On the CPU, prefix parts with at least this many scores go through NumPy (_attend_prefix_host);
+# below it the round trip costs more than MLX's slow exp.
+HOST_MIN_SCORES = 1 << 22
 _installed: dict[str, Any] = {}  # model module name -> its original attention function
 _refused: set[str] = set()  # model types already logged as unsupported
 
@@ -168,7 +171,7 @@ def attention_with_prefix(queries: mx.array, keys: mx.array, values: mx.array,
         whole = len(rows) == B
         index = None if whole else mx.array(rows)
         q_rows = q if whole else q[index]
-        if mx.default_device() == mx.cpu:
+        if mx.default_device() == mx.cpu and q_rows.size // D * prefix.length >= HOST_MIN_SCORES:
             p_out, p_lse = _attend_prefix_host(q_rows, *prefix.host(cache.layer))
         else:
             p_out, p_lse = _attend_prefix(q_rows, prefix.keys[cache.layer],

@@ -60,7 +60,8 @@ class TextBackend:
         self._gen = BatchGenerator(
             self.model, stop_tokens=[[t] for t in self.eos],
             completion_batch_size=max_concurrency,
-            prefill_batch_size=min(config.prefill_batch_size, max_concurrency),
+            prefill_batch_size=min(config.prefill_batch_size or max_concurrency,
+                                   max_concurrency),
             prefill_step_size=config.prefill_step_size)
         if LEAN_STEP:
             self._gen._generation_batch = LeanGenerationBatch.empty(

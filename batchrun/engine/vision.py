@@ -174,7 +174,8 @@ class VisionBackend:
         self._gen = BatchGenerator(
             self.kv_model, self.processor, stop_tokens=list(self.eos),
             completion_batch_size=max_concurrency,
-            prefill_batch_size=min(config.prefill_batch_size, max_concurrency),
+            prefill_batch_size=min(config.prefill_batch_size or max_concurrency,
+                                   max_concurrency),
             prefill_step_size=config.prefill_step_size,
             compute_logprobs=True, top_logprobs_k=MAX_TOP_LOGPROBS, greedy_sampling=True)
 

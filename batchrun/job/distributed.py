@@ -267,9 +267,9 @@ class RayJobRunner(JobRunner):
     def __init__(self, spec: JobSpec, model: str | None, model_name: str, model_path: str,
                  fingerprint: str, config: EngineConfig, device: str, ray_options: RayOptions,
                  vision: bool = False, on_result=None):
-        from batchrun.engine.engine import MAX_AUTO_CONCURRENCY
+        from batchrun.engine.request import DEVICE_DEFAULTS
 
-        per_actor = config.max_concurrency or MAX_AUTO_CONCURRENCY
+        per_actor = config.max_concurrency or DEVICE_DEFAULTS["cpu"][0]
         view = _StatsView(max_concurrency=per_actor * ray_options.actors,
                           model_fingerprint=fingerprint, config=config)
         # Slices in flight per actor: enough rows to fill its batch, and one more ready.

@@ -423,7 +423,7 @@ class JobRunner(RowWork):
     def _loop(self, progress: Progress, sink: OrderedSink, bar, tick) -> None:
         """Feed rows to the engine and write what it finishes until every row is done."""
         engine = self.engine
-        target = engine.max_concurrency + engine.config.prefill_batch_size
+        target = engine.max_concurrency + (engine.config.prefill_batch_size or 8)
         feeder = Feeder(self.pending_rows(progress.next_index), self._build,
                         lookahead=2 * target)
         try:
