@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from batchrun.engine.request import EngineConfig
+from batchrun.engine.request import EngineConfig, SamplingParams
+
+_SAMPLING = SamplingParams()
 
 
 class Engine:
@@ -68,13 +70,14 @@ class RunOptions:
     output: Path | None = None
     job_dir: Path | None = None
     max_concurrency: int | None = None
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
+    # Sampling defaults for rows that set none: SamplingParams' own.
+    max_tokens: int = _SAMPLING.max_tokens
+    temperature: float = _SAMPLING.temperature
+    top_p: float = _SAMPLING.top_p
+    top_k: int = _SAMPLING.top_k
+    min_p: float = _SAMPLING.min_p
+    seed: int | None = _SAMPLING.seed
+    stop: tuple[str, ...] = _SAMPLING.stop
     json_schema: Path | None = None
     choices: str | list[str] | None = None
     regex: str | None = None
