@@ -170,3 +170,23 @@ def test_engine_stats_count_what_ran(make):
     assert s.prompt_tokens == sum(o.prompt_tokens for o in outs)
     assert s.prefill_time > 0 and s.decode_time > 0 and 0 < s.decode_tokens <= s.completion_tokens
     assert 1 <= s.mean_batch_size <= 4
+
+
+def test_sampled_rows_report_the_models_logprobs(make):
+    """A sampled row's log-probabilities are the model's distribution (not the sampling noise):
+    its first token's top alternatives are the greedy row's, whatever it then drew."""
+    greedy = make().generate(PROMPTS[:1], SamplingParams(max_tokens=5, logprobs=True,
+                                                         top_logprobs=3))[0]
+    sampled = make().generate(PROMPTS[:1], SamplingParams(max_tokens=5, logprobs=True,
+                                                          top_logprobs=3, temperature=1.5,
+                                                          seed=9))[0]
+    assert sampled.finish_reason is not FinishReason.ERROR
+    assert len(sampled.logprobs) == len(sampled.token_ids) == len(sampled.top_logprobs)
+    assert [t for t, _ in sampled.top_logprobs[0]] == [t for t, _ in greedy.top_logprobs[0]]
+    for (_, a), (_, b) in zip(sampled.top_logprobs[0], greedy.top_logprobs[0], strict=True):
+        assert abs(a - b) < 1e-3
+    for token, lp, top in zip(sampled.token_ids, sampled.logprobs, sampled.top_logprobs,
+                              strict=True):
+        assert lp <= top[0][1] + 1e-5
+        if token in dict(top):
+            assert abs(dict(top)[token] - lp) < 1e-4

@@ -112,18 +112,27 @@ class VisionPrompts:
 
 class GumbelSampler:
     """A sampled row's own randomness as a logits processor: filter, scale by 1/T, add Gumbel
-    noise drawn with key `step` of the row's key sequence. The batch then takes the argmax."""
+    noise drawn with key `step` of the row's key sequence. The batch then takes the argmax.
+    With `keep`, the model's log-probabilities (before the noise) of each step are kept for
+    the row's logprobs (`logprobs(step)`): the batch's own are of the noised logits."""
 
-    def __init__(self, params: SamplingParams, seed: int):
+    def __init__(self, params: SamplingParams, seed: int, keep: bool = False):
         self.params = params
         self.keys = mx.random.split(mx.random.key(seed & 0xFFFF_FFFF_FFFF_FFFF),
                                     params.max_tokens)
         self.step = 0
+        self._kept: dict[int, mx.array] | None = {} if keep else None
+
+    def logprobs(self, step: int) -> mx.array | None:
+        """The log-probabilities step `step` sampled from (once: then forgotten)."""
+        return self._kept.pop(step, None) if self._kept is not None else None
 
     def __call__(self, context: Any, logits: mx.array) -> mx.array:
         p = self.params
         x = logits.astype(mx.float32)
         x = x - mx.logsumexp(x, axis=-1, keepdims=True)
+        if self._kept is not None:
+            self._kept[self.step] = x[0]
         if p.top_k > 0:
             x = apply_top_k(x, p.top_k)
         if 0 < p.top_p < 1:
@@ -165,12 +174,14 @@ class VisionBackend:
         self._features: OrderedDict[str, mx.array] = OrderedDict()
         self.feature_hits = self.feature_misses = 0
         self._kwargs: dict[int, dict] = {}  # request id -> its embeddings, until inserted
+        self._sampled: dict[int, list] = {}  # uid -> [GumbelSampler, tokens seen]: logprobs
         self._gen = None
 
     def start(self, max_concurrency: int, config: EngineConfig) -> None:
         from mlx_vlm.generate import BatchGenerator
 
         self.close()
+        self._sampled.clear()
         self._gen = BatchGenerator(
             self.kv_model, self.processor, stop_tokens=list(self.eos),
             completion_batch_size=max_concurrency,
@@ -186,8 +197,6 @@ class VisionBackend:
         return self._wrapped.detokenizer
 
     def reject(self, params: SamplingParams) -> str | None:
-        if params.logprobs and not params.greedy:
-            return "logprobs with temperature > 0 are not supported on vision models yet"
         return None
 
     def prepare(self, seq: Sequence) -> str | None:
@@ -199,23 +208,41 @@ class VisionBackend:
         return None
 
     def insert(self, seqs: list[Sequence], blocks: list[list]) -> list[int]:
-        processors = []
+        processors, samplers = [], []
         for seq in seqs:
             row = [seq.processor] if seq.processor is not None else []
+            sampler = None
             if not seq.params.greedy:
-                row.append(GumbelSampler(seq.params, seq.seed))
+                wants = bool(seq.params.logprobs or seq.params.top_logprobs)
+                sampler = GumbelSampler(seq.params, seq.seed, keep=wants)
+                row.append(sampler)
             processors.append(row)
-        return self._gen.insert([s.prompt for s in seqs], max_tokens=[s.max_tokens for s in seqs],
+            samplers.append(sampler)
+        uids = self._gen.insert([s.prompt for s in seqs],
+                                max_tokens=[s.max_tokens for s in seqs],
                                 prompt_kwargs=[self._kwargs.pop(s.id) for s in seqs],
                                 logits_processors=processors)
+        for uid, sampler in zip(uids, samplers, strict=True):
+            if sampler is not None and sampler._kept is not None:
+                self._sampled[uid] = [sampler, 0]
+        return uids
 
     def next(self) -> tuple[bool, list[Step]]:
         prompt_work, responses = self._gen.next()
-        return bool(prompt_work), [
-            Step(r.uid, int(r.token), r.finish_reason, token_logprob=r.token_logprob,
-                 top=r.top_logprobs) for r in responses]
+        return bool(prompt_work), [self._step(r) for r in responses]
+
+    def _step(self, r: Any) -> Step:
+        step = Step(r.uid, int(r.token), r.finish_reason, token_logprob=r.token_logprob,
+                    top=r.top_logprobs)
+        sampled = self._sampled.get(r.uid)
+        if sampled is not None:  # the model's distribution, not the noised one the batch saw
+            sampler, index = sampled
+            sampled[1] += 1
+            step.logprobs = sampler.logprobs(index)
+        return step
 
     def remove(self, uid: int, in_batch: bool) -> None:
+        self._sampled.pop(uid, None)
         if in_batch:
             self._gen.remove(uid)
 
