@@ -190,3 +190,24 @@ def test_sampled_rows_report_the_models_logprobs(make):
         assert lp <= top[0][1] + 1e-5
         if token in dict(top):
             assert abs(dict(top)[token] - lp) < 1e-4
+
+
+def test_choices_rows_get_choice_probs_and_leave_other_rows_unchanged(make):
+    from batchrun.engine.constrain import Constraint
+
+    choices = Constraint.choices(["positive", "negative", "neutral"])
+    plain = make().generate(PROMPTS, SamplingParams(max_tokens=6))
+    engine = make(4)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=6)) for p in PROMPTS]
+    asked = [engine.add_request(p, SamplingParams(max_tokens=4, constraint=choices))
+             for p in PROMPTS[:3]]
+    outs = {o.request_id: o for o in engine.run()}
+    assert [outs[i].token_ids for i in ids] == tokens(plain)
+    alone = make(1).generate(PROMPTS[:1], SamplingParams(max_tokens=4, constraint=choices))[0]
+    for i in asked:
+        out = outs[i]
+        assert out.text in ("positive", "negative", "neutral")
+        assert set(out.choice_logprobs) == {"positive", "negative", "neutral"}
+        assert out.text == max(out.choice_logprobs, key=out.choice_logprobs.get)  # greedy
+    first = outs[asked[0]].choice_logprobs
+    assert all(abs(first[c] - alone.choice_logprobs[c]) < 1e-3 for c in first)

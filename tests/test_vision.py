@@ -242,3 +242,17 @@ def test_stop_strings_and_constraints_on_image_rows(vlm):
 
     assert re.fullmatch(r"[a-z]{2,6}-[0-9]{2}", outs[regex].text)
     assert outs[regex].constraint_complete
+
+
+def test_image_rows_choice_probs_come_from_their_own_image(vlm):
+    from batchrun.engine.constrain import Constraint
+
+    params = SamplingParams(max_tokens=4, constraint=Constraint.choices(["red", "blue", "dark"]))
+    eng = engine(vlm, 4)
+    ids = [add(eng, user("What colour is it?", path), params) for path in IMAGES[:2]]
+    ids.append(add(eng, user("What colour is it?", IMAGES[0]), params))
+    outs = {o.request_id: o for o in eng.run()}
+    a, b, again = (outs[i].choice_logprobs for i in ids)
+    assert a is not None and set(a) == {"red", "blue", "dark"}
+    assert any(abs(a[c] - b[c]) > 1e-4 for c in a)  # another image, other probabilities
+    assert all(abs(a[c] - again[c]) < 1e-4 for c in a)  # the same image, the same ones

@@ -53,6 +53,10 @@ class Backend(Protocol):
         """Prefill `tokens` for one row alone, after `blocks` (cached already): each layer's
         (keys, values) over all of them, for the prefix cache."""
 
+    def choice_state(self, seq: Sequence, step: Step) -> tuple:
+        """(model callable on token ids with a cache, the prompt's per-layer KV or None, the
+        first generated token's log-probabilities or None) to score a choices row's choices."""
+
     def extract_cache(self, uid: int) -> list:
         """A running row's KV cache, one object per layer (keys, values, offset)."""
 

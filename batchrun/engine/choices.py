@@ -30,7 +30,7 @@ def choice_logprobs(model: Any, prompt_cache: list[KVCache] | None, prompt: list
     if prompt_cache is None or first is None:
         prompt_cache = make_prompt_cache(model)
         logits = model(mx.array(prompt)[None], cache=prompt_cache)[0, -1]
-        first = _log_softmax(logits)
+        first = log_softmax(logits)
     first = first.astype(mx.float32)
     per_token = [[first[tokens[0]]] for tokens in choices]
     width = max(len(tokens) for tokens in choices) - 1
@@ -45,7 +45,7 @@ def choice_logprobs(model: Any, prompt_cache: list[KVCache] | None, prompt: list
             cache.values = mx.repeat(values, k, axis=0)
             cache.offset = layer.offset
             caches.append(cache)
-        logprobs = _log_softmax(model(inputs, cache=caches))
+        logprobs = log_softmax(model(inputs, cache=caches))
         for j, tokens in enumerate(choices):
             per_token[j].extend(logprobs[j, i - 1, tokens[i]] for i in range(1, len(tokens)))
     flat = mx.stack([lp for row in per_token for lp in row]).tolist()
@@ -85,7 +85,7 @@ def pick(logprobs: list[float], temperature: float, seed: int) -> int:
     return int(mx.random.categorical(scaled, key=key).item())
 
 
-def _log_softmax(logits: mx.array) -> mx.array:
+def log_softmax(logits: mx.array) -> mx.array:
     logits = logits.astype(mx.float32)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 

@@ -285,8 +285,7 @@ class Engine(Requests, CacheControl):
     def _answer_choice(self, seq: Sequence, step: Step) -> None:
         """Right after a choices row's prompt: score every choice, answer one, finish."""
         in_batch = step.finish_reason is None
-        cache = self.backend.extract_cache(step.uid) if in_batch else None  # the prompt's KV
-        answer_choice(seq, self.backend.kv_model, cache, step.logprobs)
+        answer_choice(seq, *self.backend.choice_state(seq, step))
         self._finish(seq, FinishReason.STOP, in_batch)
 
     def _finish(self, seq: Sequence, reason: FinishReason, in_batch: bool,

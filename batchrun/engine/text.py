@@ -121,6 +121,13 @@ class TextBackend:
             done += len(chunk)
         return [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
 
+    def choice_state(self, seq: Sequence, step: Step) -> tuple:
+        """(model, the prompt's KV or None, the first token's log-probabilities) for scoring a
+        choices row's choices (choices.py): the row's own cache while it is in the batch."""
+        if step.finish_reason is not None:
+            return self.model, None, None
+        return self.model, self.extract_cache(step.uid), step.logprobs
+
     def _stops(self, params: SamplingParams) -> StopSequences:
         if not params.stop_token_ids:
             return self._eos_stops

@@ -12,7 +12,9 @@ rows split by image shape) is not used.
   sampled row perturbs its own logits with Gumbel noise from its seed and token position
   (argmax of logits / T + Gumbel noise is a draw from softmax(logits / T)): the row's text does
   not depend on the batch.
-- Constraints run as logits processors; choices too, as a grammar (no choice_probs yet).
+- Constraints run as logits processors. A choices row's choices are scored from the model's
+  probabilities (choices.py) after its prompt, run again on its own with its images: mlx-vlm's
+  batch does not hand out one row's KV.
 - The prefix cache is not used yet: a prefix's KV depends on the images, which the token ids do
   not show (every image is the same run of placeholder tokens). A repeated image is decoded
   once (io/media.py) and, for models whose `get_input_embeddings` takes `cached_image_features`
@@ -153,7 +155,7 @@ class VisionBackend:
     ids plus its own input embeddings (images merged in), computed when it is admitted."""
 
     accepts_images = True
-    scores_choices = False  # choices run as a grammar (scoring needs the row's own KV)
+    scores_choices = True  # from the row's prompt computed again on its own (choice_state)
     prefix_cache = False  # a prefix's KV depends on the images, which the tokens do not show
 
     def __init__(self, model: Any, processor: Any):
@@ -175,6 +177,7 @@ class VisionBackend:
         self.feature_hits = self.feature_misses = 0
         self._kwargs: dict[int, dict] = {}  # request id -> its embeddings, until inserted
         self._sampled: dict[int, list] = {}  # uid -> [GumbelSampler, tokens seen]: logprobs
+        self._choice_kwargs: dict[int, dict] = {}  # choices rows' embeddings, until scored
         self._gen = None
 
     def start(self, max_concurrency: int, config: EngineConfig) -> None:
@@ -182,6 +185,7 @@ class VisionBackend:
 
         self.close()
         self._sampled.clear()
+        self._choice_kwargs.clear()
         self._gen = BatchGenerator(
             self.kv_model, self.processor, stop_tokens=list(self.eos),
             completion_batch_size=max_concurrency,
@@ -218,10 +222,13 @@ class VisionBackend:
                 row.append(sampler)
             processors.append(row)
             samplers.append(sampler)
+        kwargs = [self._kwargs.pop(s.id) for s in seqs]
         uids = self._gen.insert([s.prompt for s in seqs],
                                 max_tokens=[s.max_tokens for s in seqs],
-                                prompt_kwargs=[self._kwargs.pop(s.id) for s in seqs],
-                                logits_processors=processors)
+                                prompt_kwargs=kwargs, logits_processors=processors)
+        for uid, seq, kw in zip(uids, seqs, kwargs, strict=True):
+            if seq.choice_tokens is not None:  # kept to score the choices (choice_state)
+                self._choice_kwargs[uid] = kw
         for uid, sampler in zip(uids, samplers, strict=True):
             if sampler is not None and sampler._kept is not None:
                 self._sampled[uid] = [sampler, 0]
@@ -243,8 +250,23 @@ class VisionBackend:
 
     def remove(self, uid: int, in_batch: bool) -> None:
         self._sampled.pop(uid, None)
+        self._choice_kwargs.pop(uid, None)
         if in_batch:
             self._gen.remove(uid)
+
+    def choice_state(self, seq: Sequence, step: Step) -> tuple:
+        """The row's prompt (its images merged in) run again on its own: mlx-vlm's batch does
+        not hand out one row's KV. The batch passes its rows' RoPE offsets itself, so this call
+        leaves the running rows unchanged."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from batchrun.engine.choices import log_softmax
+
+        kwargs = self._choice_kwargs.pop(step.uid)
+        cache = make_prompt_cache(self.kv_model)
+        out = self.kv_model(mx.array(seq.prompt)[None], cache=cache, **kwargs)
+        first = log_softmax(getattr(out, "logits", out)[0, -1])
+        return _LogitsOnly(self.kv_model), cache, first
 
     def extract_cache(self, uid: int) -> list:
         raise NotImplementedError("the vision backend serves no prefix cache")
@@ -295,6 +317,17 @@ class VisionBackend:
             parts.append(features)
             start += size
         return mx.concatenate(parts, axis=0)
+
+
+class _LogitsOnly:
+    """A language model whose call returns its logits (mlx-vlm's return an output object)."""
+
+    def __init__(self, model: Any):
+        self.model = model
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        out = self.model(inputs, cache=cache)
+        return getattr(out, "logits", out)
 
 
 class VisionEngine(Engine):
