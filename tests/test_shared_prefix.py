@@ -122,7 +122,11 @@ def test_a_row_holds_only_its_own_tokens_in_the_memory_budget(demo, mixed, refer
     assert batches[True] > 2 * batches[False]
 
 
-def test_cascade_attention_equals_attention_over_the_whole_sequence():
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("host", [False, True])  # the CPU's NumPy path for large prefix parts
+def test_cascade_attention_equals_attention_over_the_whole_sequence(with_sinks, host,
+                                                                    monkeypatch):
+    monkeypatch.setattr(shared_prefix, "HOST_MIN_SCORES", 0 if host else 1 << 62)
     mx.random.seed(0)
     B, heads, kv_heads, L, D, P = 3, 4, 2, 5, 16, 40
     q = mx.random.normal((B, heads, L, D))
@@ -131,14 +135,15 @@ def test_cascade_attention_equals_attention_over_the_whole_sequence():
     own_k, own_v = mx.random.normal((B, kv_heads, L, D)), mx.random.normal((B, kv_heads, L, D))
     cache = SharedPrefixBatchCache([SharedPrefix([prefix_k], [prefix_v])] * 2 + [None], 0)
     mask = mx.tril(mx.ones((L, L), dtype=mx.bool_))[None, None]
-    got = attention_with_prefix(q, own_k, own_v, cache, 0.25, mask)
+    sinks = mx.random.normal((heads,)) if with_sinks else None
+    got = attention_with_prefix(q, own_k, own_v, cache, 0.25, mask, sinks)
     for b in range(B):
         keys = own_k[b: b + 1] if b == 2 else mx.concatenate([prefix_k, own_k[b: b + 1]], 2)
         values = own_v[b: b + 1] if b == 2 else mx.concatenate([prefix_v, own_v[b: b + 1]], 2)
         full = mx.concatenate([mx.ones((L, keys.shape[2] - L), dtype=mx.bool_),
                                mx.tril(mx.ones((L, L), dtype=mx.bool_))], axis=1)
         want = mx.fast.scaled_dot_product_attention(q[b: b + 1], keys, values, scale=0.25,
-                                                    mask=full[None, None])
+                                                    mask=full[None, None], sinks=sinks)
         assert mx.allclose(got[b: b + 1], want, atol=1e-5).item()
 
 

@@ -148,9 +148,9 @@ def install(model: Any) -> bool:
         _installed[module.__name__] = original
 
         def routed(queries, keys, values, cache, scale, mask, sinks=None):
-            if isinstance(cache, SharedPrefixBatchCache) and sinks is None and any(
+            if isinstance(cache, SharedPrefixBatchCache) and any(
                     p is not None for p in cache.prefixes):
-                return attention_with_prefix(queries, keys, values, cache, scale, mask)
+                return attention_with_prefix(queries, keys, values, cache, scale, mask, sinks)
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
         module.scaled_dot_product_attention = routed
@@ -158,9 +158,11 @@ def install(model: Any) -> bool:
 
 
 def attention_with_prefix(queries: mx.array, keys: mx.array, values: mx.array,
-                          cache: SharedPrefixBatchCache, scale: float, mask) -> mx.array:
+                          cache: SharedPrefixBatchCache, scale: float, mask,
+                          sinks: mx.array | None = None) -> mx.array:
     """Cascade attention: each row's own tokens (masked), and its shared prefix (unmasked, all
-    rows of a prefix at once), merged by log-sum-exp."""
+    rows of a prefix at once), merged by log-sum-exp; `sinks` (one logit per query head, as
+    gpt-oss has) join the softmax's denominator."""
     B, n_heads, L, D = queries.shape
     kv_heads = keys.shape[1]
     G = n_heads // kv_heads  # query heads per KV head
@@ -184,6 +186,9 @@ def attention_with_prefix(queries: mx.array, keys: mx.array, values: mx.array,
             out, lse = o_rows, merged
         else:
             out[index], lse[index] = o_rows, merged
+    if sinks is not None:  # (n_heads,) -> each query row of (kv_heads, G * L)
+        sink = mx.repeat(sinks.astype(mx.float32).reshape(kv_heads, G), L, axis=1)[None]
+        out = out * mx.exp(lse - mx.logaddexp(lse, sink))[..., None]
     return out.reshape(B, n_heads, L, D).astype(queries.dtype)
 
 
