@@ -89,15 +89,16 @@ def test_two_prefixes_in_one_batch_are_held_once_each(demo, mixed):
     seen = []
     real = shared_prefix.attention_with_prefix
 
-    def spy(queries, keys, values, cache, scale, mask):
+    def spy(queries, keys, values, cache, scale, mask, sinks=None):
         seen.append([id(p) for p, _ in cache.groups()])
-        return real(queries, keys, values, cache, scale, mask)
+        return real(queries, keys, values, cache, scale, mask, sinks)
 
     shared_prefix.attention_with_prefix = spy
     try:
-        run(demo, mixed, concurrency=64)
+        tokens, engine = run(demo, mixed, concurrency=64)
     finally:
         shared_prefix.attention_with_prefix = real
+    assert engine.faults == 0
     assert max(len(groups) for groups in seen) == 2  # both instructions, one copy each
 
 
