@@ -263,5 +263,5 @@ def _own_mask(mask, B: int, G: int, L: int, S: int) -> mx.array | None:
         mask = rows >= mx.arange(S)[None]
     if mask.dtype != mx.bool_:
         mask = mask > -mx.inf  # an additive mask: -inf where masked
-    mask = mx.broadcast_to(mask, (B, 1, L, S) if mask.ndim == 4 else (B, 1, L, S))
+    mask = mx.broadcast_to(mask, (B, 1, L, S))
     return mx.broadcast_to(mask[:, :, None], (B, 1, G, L, S)).reshape(B, 1, G * L, S)
