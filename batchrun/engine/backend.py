@@ -57,7 +57,4 @@ class Backend(Protocol):
         """(model callable on token ids with a cache, the prompt's per-layer KV or None, the
         first generated token's log-probabilities or None) to score a choices row's choices."""
 
-    def extract_cache(self, uid: int) -> list:
-        """A running row's KV cache, one object per layer (keys, values, offset)."""
-
     def close(self) -> None: ...

@@ -211,18 +211,11 @@ class Engine(Requests, CacheControl):
     def _admit(self) -> None:
         """Start what fits, computing shared prefixes into the cache first where needed."""
         while True:
-            batch, prefix = self.scheduler.schedule(self.config.prefill_tokens
-                                                    - self._prefilling_tokens())
+            batch, prefix = self.scheduler.schedule(self.config.prefill_tokens)
             self._insert(batch)
             if prefix is None:
                 return
             self._compute_prefix(prefix)
-
-    def _prefilling_tokens(self) -> int:
-        """Padded prompt tokens of the rows in the batch that have not produced a token yet."""
-        waiting = [len(s.prompt) - s.cached for s in self.scheduler.running.values()
-                   if s.ttft is None]
-        return len(waiting) * max(waiting, default=0)
 
     def _compute_prefix(self, need: PrefixNeeded) -> None:
         """Prefill a prefix that rows share, once, into the prefix cache."""

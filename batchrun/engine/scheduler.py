@@ -43,12 +43,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._retry_groups)
 
-    def schedule(self, prefill_room: int
+    def schedule(self, prefill_tokens: int
                  ) -> tuple[list[tuple[Sequence, list[Block]]], PrefixNeeded | None]:
         """The sequences to start now, each with the cached prefix blocks it starts from; and
         a shared prefix to compute before the next one can start, if one is needed. Their
-        uncached prompt tokens, padded to the longest, stay within `prefill_room` (one row
-        always starts if none is prefilling)."""
+        uncached prompt tokens, padded to the longest, and those of the rows still prefilling
+        stay within `prefill_tokens` (one row always starts if none is prefilling)."""
         if self._isolated:
             return [], None  # a retry group runs on its own until it is done
         if self._retry_groups:
@@ -58,6 +58,8 @@ class Scheduler:
             for seq, _ in planned:
                 self._admit(seq)
             return planned, None
+        prefilling = self._prefilling_tokens()
+        prefill_room = prefill_tokens - prefilling
         batch: list[tuple[Sequence, list[Block]]] = []
         longest = 0
         while (self.waiting and len(self.running) + len(batch) < self.max_concurrency
@@ -68,7 +70,7 @@ class Scheduler:
                 return batch, plan
             longest = max(longest, len(head.prompt) - head.cached)
             over = (len(batch) + 1) * longest > prefill_room
-            if over and (batch or prefill_room < 0 or self._prefilling()):
+            if over and (batch or prefilling):
                 break
             if not self.memory.fits(self._kv_tokens(head)):
                 break
@@ -77,8 +79,10 @@ class Scheduler:
             batch.append((seq, plan))
         return batch, None
 
-    def _prefilling(self) -> bool:
-        return any(seq.ttft is None for seq in self.running.values())
+    def _prefilling_tokens(self) -> int:
+        """Padded prompt tokens of the running rows that have not produced a token yet."""
+        pending = [len(s.prompt) - s.cached for s in self.running.values() if s.ttft is None]
+        return len(pending) * max(pending, default=0)
 
     def _admit(self, seq: Sequence) -> None:
         self.memory.add(seq.id, self._kv_tokens(seq))

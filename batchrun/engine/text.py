@@ -126,7 +126,8 @@ class TextBackend:
         choices row's choices (choices.py): the row's own cache while it is in the batch."""
         if step.finish_reason is not None:
             return self.model, None, None
-        return self.model, self.extract_cache(step.uid), step.logprobs
+        layer_caches, _ = self._gen.extract_cache([step.uid])[step.uid]
+        return self.model, layer_caches, step.logprobs
 
     def _stops(self, params: SamplingParams) -> StopSequences:
         if not params.stop_token_ids:
@@ -142,10 +143,6 @@ class TextBackend:
         if in_batch:
             self._gen.remove([uid])
         self._logprob_uids.discard(uid)
-
-    def extract_cache(self, uid: int) -> list:
-        layer_caches, _ = self._gen.extract_cache([uid])[uid]
-        return layer_caches
 
     def close(self) -> None:
         if self._gen is not None:

@@ -268,9 +268,6 @@ class VisionBackend:
         first = log_softmax(getattr(out, "logits", out)[0, -1])
         return _LogitsOnly(self.kv_model), cache, first
 
-    def extract_cache(self, uid: int) -> list:
-        raise NotImplementedError("the vision backend serves no prefix cache")
-
     def compute_prefix(self, tokens: list[int], blocks: list) -> list[tuple]:
         raise NotImplementedError("the vision backend serves no prefix cache")
 

@@ -45,8 +45,8 @@ def check(output: Path, input_path: Path, job_dir: Path, owned: bool) -> None:
     """Raise OutputConflict if this job may not write `output`. `owned`: the job folder's
     job.json already names this output (a resumed job)."""
     check_output_file(output)
-    out, job = _full(output), _full(job_dir)
-    if out == _full(input_path) or (out.exists() and _same_file(out, input_path)):
+    out, job = full(output), full(job_dir)
+    if out == full(input_path) or (out.exists() and _same_file(out, input_path)):
         raise OutputConflict(f"the output {output} is the input file: pass another -o")
     if out.is_dir():
         raise OutputConflict(f"the output {output} is a folder: pass a file path with -o")
@@ -71,13 +71,13 @@ def check(output: Path, input_path: Path, job_dir: Path, owned: bool) -> None:
 def claim(output: Path, job_dir: Path) -> None:
     """Record beside the output that this job owns it (exclusively: a job that claimed it
     first wins). Raises OutputConflict if another job holds it."""
-    marker = marker_path(_full(output))
-    data = orjson.dumps({"job_dir": os.path.relpath(_full(job_dir), marker.parent)})
+    marker = marker_path(full(output))
+    data = orjson.dumps({"job_dir": os.path.relpath(full(job_dir), marker.parent)})
     try:
         fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     except FileExistsError:
-        owner = read_owner(_full(output))
-        if owner != str(_full(job_dir)):
+        owner = read_owner(full(output))
+        if owner != str(full(job_dir)):
             raise OutputConflict(_owned_by(output, owner)) from None
         return
     with os.fdopen(fd, "wb") as f:
@@ -100,7 +100,7 @@ def read_owner(output: Path) -> str | None:
         owner = None
     if not isinstance(owner, str) or not owner or "\0" in owner:
         return UNKNOWN_OWNER
-    return str(_full(marker.parent / owner))  # relative to the marker (older markers: absolute)
+    return str(full(marker.parent / owner))  # relative to the marker (older markers: absolute)
 
 
 UNKNOWN_OWNER = "?"
@@ -123,7 +123,7 @@ def _owned_by(output: Path, owner: str) -> str:
 def check_job_dir(job_dir: Path, is_job: bool) -> None:
     """Raise OutputConflict if `job_dir` may not be (or become) a job folder: it is inside
     another job's folder, or, for a new job, it holds files a job writes or other job folders."""
-    job = _full(job_dir)
+    job = full(job_dir)
     if job.exists() and not job.is_dir():
         raise OutputConflict(f"the job folder {job_dir} is not a folder: pass another --job-dir")
     if is_job:
@@ -234,17 +234,13 @@ def _job_below(folder: Path) -> Path | None:
     return None
 
 
-def _full(path: Path) -> Path:
+def full(path: Path) -> Path:
+    """`path` absolute, with links resolved; OutputConflict for a link loop."""
     try:
         return Path(os.path.abspath(Path(path).expanduser())).resolve()
     except (OSError, RuntimeError):  # a symbolic link loop
         raise OutputConflict(f"{path} cannot be resolved (a symbolic link loop?): pass "
                              "another path") from None
-
-
-def full(path: Path) -> Path:
-    """`path` absolute, with links resolved; OutputConflict for a link loop."""
-    return _full(path)
 
 
 def _same_file(a: Path, b: Path) -> bool:
