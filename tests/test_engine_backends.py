@@ -211,3 +211,16 @@ def test_choices_rows_get_choice_probs_and_leave_other_rows_unchanged(make):
         assert out.text == max(out.choice_logprobs, key=out.choice_logprobs.get)  # greedy
     first = outs[asked[0]].choice_logprobs
     assert all(abs(first[c] - alone.choice_logprobs[c]) < 1e-3 for c in first)
+
+
+def test_a_shared_prefix_served_from_the_cache_gives_the_same_tokens(make):
+    instruction = "Label the sentiment of the review. " + " ".join(
+        f"Guideline {i}: weigh the wording of part {i} carefully." for i in range(20))
+    prompts = [f"{instruction}\n{p}" for p in PROMPTS]
+    params = SamplingParams(max_tokens=8)
+    expected = tokens(make(3).generate(prompts, params))
+    engine = make(3)
+    engine.enable_prefix_cache()
+    outs = engine.generate(prompts, params)
+    assert tokens(outs) == expected
+    assert all(o.cached_tokens >= 128 for o in outs)  # every row, the first one included

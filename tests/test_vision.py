@@ -116,7 +116,7 @@ def test_a_repeated_image_is_encoded_once(vlm):
         add(eng, user(f"Question {i}", IMAGES[0]), SamplingParams(max_tokens=3))
     add(eng, user("And", IMAGES[1]), SamplingParams(max_tokens=3))
     eng.run()
-    assert (eng.feature_misses, eng.feature_hits) == (2, 3)
+    assert (eng.backend.feature_misses, eng.backend.feature_hits) == (2, 3)
 
 
 

@@ -41,7 +41,7 @@ import orjson
 from batchrun.cache import blockfile
 from batchrun.cache.folder import NotRegularFile, PrivateFolder, sharing_problem
 from batchrun.cache.layout import DTYPES, BlockLayout
-from batchrun.cache.prefix import Block, block_keys
+from batchrun.cache.prefix import Block, chain
 from batchrun.paths import default_cache_dir, home_cache_dir  # noqa: F401  (re-exported)
 
 log = logging.getLogger("batchrun.cache")
@@ -146,16 +146,17 @@ class DiskCache:
         try:
             tokens = orjson.loads(meta.get("tokens", ""))
             parent = bytes.fromhex(meta.get("parent", ""))
-        except ValueError:
-            raise blockfile.BlockFormatError("tokens or parent unreadable") from None
+            salt = bytes.fromhex(meta.get("salt", ""))
+        except (ValueError, TypeError):
+            raise blockfile.BlockFormatError("tokens, parent or salt unreadable") from None
         if not (isinstance(tokens, list) and len(tokens) == self.block_size
                 and all(type(t) is int and 0 <= t < 2**32 for t in tokens)):
             raise blockfile.BlockFormatError("bad tokens")
-        if len(parent) != len(key) or _chain(parent, tuple(tokens)) != key:
+        if len(parent) != len(key) or chain(parent, tokens, salt) != key:
             raise blockfile.BlockFormatError("its tokens do not hash to its key")
         layers = range(self.layout.layers)
         return Block(key, parent, tuple(tokens), [arrays[f"k.{i}"] for i in layers],
-                     [arrays[f"v.{i}"] for i in layers])
+                     [arrays[f"v.{i}"] for i in layers], salt)
 
     def _damaged(self, name: str, reason: Exception) -> None:
         self.skipped += 1
@@ -201,7 +202,7 @@ class DiskCache:
                             "are kept in memory only", self.layout)
             return None
         meta = {**self._meta, "parent": block.parent.hex(),
-                "tokens": orjson.dumps(list(block.tokens)).decode()}
+                "tokens": orjson.dumps(list(block.tokens)).decode(), "salt": block.salt.hex()}
         return blockfile.encode(dict(zip(self.expected, tensors, strict=True)), meta)
 
     def _update_index(self, written: dict[str, dict]) -> None:
@@ -284,11 +285,6 @@ def _tensor_names(layers: int) -> list[str]:
 
 def _file_name(key: bytes) -> str:
     return key.hex() + SUFFIX
-
-
-def _chain(parent: bytes, tokens: tuple[int, ...]) -> bytes:
-    # The same chaining as block_keys, for one block after `parent`.
-    return block_keys(list(tokens), len(tokens), parent)[0]
 
 
 def _same_folder(a: Path, b: Path) -> bool:

@@ -1,10 +1,14 @@
 """In-memory prefix cache: KV of shared prompt prefixes, in blocks, evicted LRU by bytes.
 
 A block holds the KV of `block_size` consecutive prompt tokens. Its key chains through the
-prefix: hash(parent key, the block's tokens), seeded with the model fingerprint, so a key names
-a whole prefix and one model's blocks can never answer another model's lookup. A hit is
-confirmed by comparing the block's stored tokens. Lookups take whole blocks and always leave at
-least one prompt token to compute, so the engine gets logits for the first generated token.
+prefix: hash(parent key, the block's tokens, its salt), seeded with the model fingerprint, so a
+key names a whole prefix and one model's blocks can never answer another model's lookup. The
+salt is what the KV depends on that the tokens do not show: the content digests of the images
+whose placeholder tokens start in the block (every image is the same run of placeholders), so
+two prompts with the same text and different images never share a block from the first image
+on. A hit is confirmed by comparing the block's stored tokens. Lookups take whole blocks and
+always leave at least one prompt token to compute, so the engine gets logits for the first
+generated token.
 
 Invariant: a block's KV is exactly what the model computes for that prefix (it is copied out of
 a sequence's cache after its prefill), so reusing it does not change any output.
@@ -30,21 +34,43 @@ class Block:
     tokens: tuple[int, ...]
     keys: list[mx.array]  # per layer, (1, kv_heads, block_size, head_dim)
     values: list[mx.array]
+    salt: bytes = b""  # the digests of the images starting in this block (block_salts)
     nbytes: int = 0
 
     def __post_init__(self) -> None:
         self.nbytes = sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
 
 
-def block_keys(tokens: list[int], block_size: int, root: bytes) -> list[bytes]:
-    """The chained key of each whole block of `tokens`."""
+Media = tuple[tuple[int, str], ...]  # (position of an image's first placeholder, its digest)
+
+
+def block_salts(media: Media, block_size: int, n_blocks: int) -> list[bytes]:
+    """Each block's salt: the digests of the images whose placeholders start in it, in order.
+    Chaining carries a salt into every later block's key."""
+    salts = [b""] * n_blocks
+    for position, digest in media:
+        if position // block_size < n_blocks:
+            salts[position // block_size] += b"image:" + digest.encode() + b";"
+    return salts
+
+
+def block_keys(tokens: list[int], block_size: int, root: bytes, media: Media = ()) -> list[bytes]:
+    """The chained key of each whole block of `tokens` (and of the images in `media`)."""
     keys, parent = [], root
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        h = hashlib.blake2b(parent, digest_size=16)
-        h.update(b"".join(t.to_bytes(4, "little") for t in tokens[start: start + block_size]))
-        parent = h.digest()
+    salts = block_salts(media, block_size, len(tokens) // block_size)
+    for i, start in enumerate(range(0, len(tokens) - block_size + 1, block_size)):
+        parent = chain(parent, tokens[start: start + block_size], salts[i])
         keys.append(parent)
     return keys
+
+
+def chain(parent: bytes, tokens: list[int] | tuple[int, ...], salt: bytes = b"") -> bytes:
+    """The key of a block holding `tokens` (and `salt`) after the block keyed `parent`."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(b"".join(t.to_bytes(4, "little") for t in tokens))
+    if salt:  # text-only blocks keep the keys they always had
+        h.update(salt)
+    return h.digest()
 
 
 @dataclass(slots=True)
@@ -74,9 +100,9 @@ class PrefixCache:
     on_store: Callable[[list[Block]], None] | None = None
     disk: object | None = None  # the DiskCache behind fallback / on_store, if any
 
-    def keys_for(self, tokens: list[int]) -> list[bytes]:
+    def keys_for(self, tokens: list[int], media: Media = ()) -> list[bytes]:
         # Leave at least one token uncached: the engine must compute the last prompt token.
-        return block_keys(tokens[: max(0, len(tokens) - 1)], self.block_size, self.root)
+        return block_keys(tokens[: max(0, len(tokens) - 1)], self.block_size, self.root, media)
 
     def match(self, tokens: list[int], keys: list[bytes] | None = None) -> list[Block]:
         """The longest run of cached blocks that prefixes `tokens` (confirmed token by token)."""
@@ -110,12 +136,14 @@ class PrefixCache:
         return block
 
     def store(self, tokens: list[int], layer_kv: list[tuple[mx.array, mx.array]],
-              upto: int) -> list[Block]:
-        """Store the blocks of tokens[:upto] from one sequence's per-layer (keys, values),
-        each (1, kv_heads, >= upto, head_dim); returns the blocks that were new."""
+              upto: int, media: Media = ()) -> list[Block]:
+        """Store the blocks of tokens[:upto] (with the images in `media`) from one sequence's
+        per-layer (keys, values), each (1, kv_heads, >= upto, head_dim); returns the blocks
+        that were new."""
         new = []
         parent = self.root
-        keys = self.keys_for(tokens[: upto + 1])
+        keys = self.keys_for(tokens[: upto + 1], media)
+        salts = block_salts(media, self.block_size, len(keys))
         for i, key in enumerate(keys):
             if key not in self.blocks:
                 lo, hi = i * self.block_size, (i + 1) * self.block_size
@@ -123,7 +151,7 @@ class PrefixCache:
                 ks = [mx.array(k[:, :, lo:hi, :]) for k, _ in layer_kv]
                 vs = [mx.array(v[:, :, lo:hi, :]) for _, v in layer_kv]
                 mx.eval(ks, vs)
-                block = Block(key, parent, tuple(tokens[lo:hi]), ks, vs)
+                block = Block(key, parent, tuple(tokens[lo:hi]), ks, vs, salts[i])
                 self.put(block)
                 new.append(block)
                 self.stats.stored_blocks += 1
@@ -149,13 +177,13 @@ class PrefixCache:
         self.nbytes = 0
 
     @staticmethod
-    def to_kv_caches(blocks: list[Block]) -> list[KVCache]:
-        """Fresh per-layer KVCaches holding the concatenated blocks' KV."""
+    def to_kv_caches(blocks: list[Block], make: Callable[[], KVCache] = KVCache) -> list:
+        """Fresh per-layer KV caches (made by `make`) holding the concatenated blocks' KV."""
         caches = []
         for layer in range(len(blocks[0].keys)):
-            c = KVCache()
+            c = make()
             k = mx.concatenate([b.keys[layer] for b in blocks], axis=2)
             v = mx.concatenate([b.values[layer] for b in blocks], axis=2)
-            c.state = (k, v, k.shape[2])
+            c.keys, c.values, c.offset = k, v, k.shape[2]  # mlx-lm's and mlx-vlm's alike
             caches.append(c)
         return caches

@@ -49,9 +49,9 @@ class Backend(Protocol):
     def remove(self, uid: int, in_batch: bool) -> None:
         """A row is finished; `in_batch`: the batch has not dropped it itself."""
 
-    def compute_prefix(self, tokens: list[int], blocks: list[Block]) -> list[tuple]:
-        """Prefill `tokens` for one row alone, after `blocks` (cached already): each layer's
-        (keys, values) over all of them, for the prefix cache."""
+    def compute_prefix(self, seq: Sequence, upto: int, blocks: list[Block]) -> list[tuple]:
+        """Prefill `seq.prompt[:upto]` for the row alone, after `blocks` (cached already): each
+        layer's (keys, values) over all of them, for the prefix cache."""
 
     def choice_state(self, seq: Sequence, step: Step) -> tuple:
         """(model callable on token ids with a cache, the prompt's per-layer KV or None, the

@@ -126,7 +126,8 @@ class Engine(Requests, CacheControl):
 
     def add_tokens(self, prompt: list[int], params: SamplingParams, inputs: Any = None) -> int:
         """Queue a request from token ids (and what the backend needs besides); its id."""
-        seq = Sequence(next(self._ids), list(prompt), params, params.max_tokens, inputs)
+        seq = Sequence(next(self._ids), list(prompt), params, params.max_tokens, inputs,
+                       media=inputs.media if inputs is not None else ())
         constraint = params.constraint
         if constraint is not None and constraint.kind == "choices" and \
                 self.backend.scores_choices:
@@ -222,10 +223,10 @@ class Engine(Requests, CacheControl):
         need.seq.prefix_computed = True  # tried once: a failure or an eviction is not retried
         start = time.perf_counter()
         try:
-            layer_kv = self.backend.compute_prefix(need.seq.prompt[: need.upto], need.blocks)
+            layer_kv = self.backend.compute_prefix(need.seq, need.upto, need.blocks)
         except Exception:  # the rows then compute it themselves; their own errors say why
             return
-        self.prefix_cache.store(need.seq.prompt, layer_kv, need.upto)
+        self.prefix_cache.store(need.seq.prompt, layer_kv, need.upto, need.seq.media)
         self.stats.prefill_time += time.perf_counter() - start
 
     def _insert(self, batch: list[tuple[Sequence, list[Block]]]) -> None:

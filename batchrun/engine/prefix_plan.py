@@ -32,7 +32,7 @@ class PrefixPlanner:
 
     def register(self, seq: Sequence) -> None:
         """A new row: note which blocks it will need."""
-        seq.block_keys = self.cache.keys_for(seq.prompt)
+        seq.block_keys = self.cache.keys_for(seq.prompt, seq.media)
         self._key_counts.update(seq.block_keys)
 
     def plan(self, seq: Sequence, compute: bool = True) -> list[Block] | PrefixNeeded:

@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchrun.cache.prefix import Media
 from batchrun.engine.constrain import GrammarProcessor
 from batchrun.engine.request import SamplingParams
 
@@ -28,6 +29,7 @@ class Sequence:
     params: SamplingParams
     max_tokens: int  # params.max_tokens, bounded by the context (2 for a choices row)
     inputs: Any = None  # what the backend needs beyond the tokens (a vision row's images)
+    media: Media = ()  # where its images start in the prompt, and their digests
     status: Status = Status.WAITING
     uid: int | None = None  # the backend batch's id while RUNNING
     # What it generated (reset by a restart).

@@ -109,9 +109,10 @@ class TextBackend:
         self._shared.move_to_end(key)
         return prefix
 
-    def compute_prefix(self, tokens: list[int], blocks: list[Block]) -> list[tuple]:
-        """Prefill `tokens` for one row on its own (after `blocks`, their first part already
-        cached); each layer's (keys, values) over all of them."""
+    def compute_prefix(self, seq: Sequence, upto: int, blocks: list[Block]) -> list[tuple]:
+        """Prefill the row's first `upto` tokens on its own (after `blocks`, their first part
+        already cached); each layer's (keys, values) over all of them."""
+        tokens = seq.prompt[:upto]
         caches = PrefixCache.to_kv_caches(blocks) if blocks else make_prompt_cache(self.model)
         done = caches[0].offset
         while done < len(tokens):

@@ -15,14 +15,20 @@ rows split by image shape) is not used.
 - Constraints run as logits processors. A choices row's choices are scored from the model's
   probabilities (choices.py) after its prompt, run again on its own with its images: mlx-vlm's
   batch does not hand out one row's KV.
-- The prefix cache is not used yet: a prefix's KV depends on the images, which the token ids do
-  not show (every image is the same run of placeholder tokens). A repeated image is decoded
-  once (io/media.py) and, for models whose `get_input_embeddings` takes `cached_image_features`
-  (the Qwen2-VL family), its vision features are computed once per job.
+- The prefix cache: a prefix's KV depends on the images in it, which the token ids do not show
+  (every image is the same run of placeholder tokens), so a row's blocks are keyed on its
+  images' content digests from the first image on (`Sequence.media`, cache/prefix.py): a shared
+  system prompt is served from the cache to every row, a shared image only to rows with the same
+  picture. A row starts from its cached blocks in mlx-vlm's batch through vision_batch.py. A
+  model whose prompt inputs cannot be cut at a position (vision_batch.cut) runs its rows cold.
+- A repeated image is decoded once (io/media.py) and, for models whose `get_input_embeddings`
+  takes `cached_image_features` (the Qwen2-VL family), its vision features are computed once
+  per job.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +36,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from batchrun.cache.prefix import Block, Media, PrefixCache
 from batchrun.engine.engine import Engine
 from batchrun.engine.postprocess import Step
 from batchrun.engine.request import EngineConfig, SamplingParams
@@ -38,6 +45,8 @@ from batchrun.engine.sequence import Sequence
 MAX_TOP_LOGPROBS = 20  # SamplingParams' bound; mlx-vlm computes one k for the whole batch
 FEATURE_CACHE_SIZE = 256  # images whose vision features are kept (an LRU)
 MAX_IMAGES_PER_ROW = 32  # more is a row error (too_many_images); the context also bounds it
+
+log = logging.getLogger("batchrun")
 
 
 @dataclass(slots=True)
@@ -48,6 +57,7 @@ class VisionInputs:
     pixel_values: Any = None  # mx.array, or None for a text-only row
     extra: dict = field(default_factory=dict)  # image_grid_thw, attention_mask, ...
     digests: tuple[str, ...] = ()  # content hashes of the row's images, in order
+    media: Media = ()  # where each image's placeholders start, with its digest (prefix keys)
 
 
 class VisionPrompts:
@@ -108,8 +118,21 @@ class VisionPrompts:
         input_ids = [int(t) for t in (ids.tolist()[0] if hasattr(ids, "tolist") else ids[0])]
         extra = {k: v for k, v in inputs.items()
                  if k not in ("input_ids", "pixel_values", "attention_mask") and v is not None}
+        digests = tuple(image.digest for image in images)
         return VisionInputs(input_ids, inputs.get("pixel_values") if pictures else None, extra,
-                            tuple(image.digest for image in images))
+                            digests, image_starts(input_ids, self.image_token_index, digests))
+
+
+def image_starts(ids: list[int], image_token: int | None, digests: tuple[str, ...]) -> Media:
+    """Each image's digest at the position of its first placeholder token. Where the runs of
+    placeholders do not pair one to one with the images, every digest is put at the first
+    placeholder (or the prompt's start): the row's blocks from there on then match only rows
+    with all the same pictures."""
+    starts = [i for i, t in enumerate(ids)
+              if t == image_token and (i == 0 or ids[i - 1] != image_token)]
+    if len(starts) == len(digests):
+        return tuple(zip(starts, digests, strict=True))
+    return tuple((starts[0] if starts else 0, digest) for digest in digests)
 
 
 class GumbelSampler:
@@ -156,7 +179,7 @@ class VisionBackend:
 
     accepts_images = True
     scores_choices = True  # from the row's prompt computed again on its own (choice_state)
-    prefix_cache = False  # a prefix's KV depends on the images, which the tokens do not show
+    prefix_cache = True  # blocks keyed on the images' content as well as the tokens
 
     def __init__(self, model: Any, processor: Any):
         from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -178,15 +201,17 @@ class VisionBackend:
         self._kwargs: dict[int, dict] = {}  # request id -> its embeddings, until inserted
         self._sampled: dict[int, list] = {}  # uid -> [GumbelSampler, tokens seen]: logprobs
         self._choice_kwargs: dict[int, dict] = {}  # choices rows' embeddings, until scored
+        self.warm_starts = True  # False once a row's prompt inputs cannot be cut (cut())
         self._gen = None
 
     def start(self, max_concurrency: int, config: EngineConfig) -> None:
-        from mlx_vlm.generate import BatchGenerator
+        from batchrun.engine.vision_batch import WarmStartBatchGenerator
 
         self.close()
         self._sampled.clear()
         self._choice_kwargs.clear()
-        self._gen = BatchGenerator(
+        self._prefill_step = config.prefill_step_size
+        self._gen = WarmStartBatchGenerator(
             self.kv_model, self.processor, stop_tokens=list(self.eos),
             completion_batch_size=max_concurrency,
             prefill_batch_size=min(config.prefill_batch_size or max_concurrency,
@@ -204,12 +229,37 @@ class VisionBackend:
         return None
 
     def prepare(self, seq: Sequence) -> str | None:
-        inputs = seq.inputs if seq.inputs is not None else VisionInputs(seq.prompt)
         try:
-            self._kwargs[seq.id] = self._embed(inputs)
+            self._row_kwargs(seq)
         except Exception as e:  # a model that rejects these images: this row's error
             return f"the model could not read this row's images: {type(e).__name__}: {e}"
         return None
+
+    def _row_kwargs(self, seq: Sequence) -> dict:
+        """The row's input embeddings (kept until it is inserted)."""
+        kwargs = self._kwargs.get(seq.id)
+        if kwargs is None:
+            inputs = seq.inputs if seq.inputs is not None else VisionInputs(seq.prompt)
+            kwargs = self._kwargs[seq.id] = self._embed(inputs)
+        return kwargs
+
+    def _warm_start(self, seq: Sequence, blocks: list[Block], kwargs: dict) -> tuple | None:
+        """(the row's inputs past its cached tokens, the caches holding those), or None: the
+        row runs from its whole prompt (`seq.cached` is then 0)."""
+        from mlx_vlm.models.cache import KVCache
+
+        from batchrun.engine.vision_batch import cut
+
+        rest = cut(kwargs, seq.cached) if self.warm_starts else None
+        if rest is None and self.warm_starts:
+            self.warm_starts = False
+            log.warning("prefix cache: this model's prompt inputs (%s) cannot be cut at a "
+                        "cached prefix; its rows run without the prefix cache",
+                        ", ".join(sorted(kwargs)))
+        if rest is None or not seq.cached:
+            seq.cached = 0
+            return None
+        return rest, PrefixCache.to_kv_caches(blocks, KVCache)
 
     def insert(self, seqs: list[Sequence], blocks: list[list]) -> list[int]:
         processors, samplers = [], []
@@ -223,10 +273,14 @@ class VisionBackend:
             processors.append(row)
             samplers.append(sampler)
         kwargs = [self._kwargs.pop(s.id) for s in seqs]
-        uids = self._gen.insert([s.prompt for s in seqs],
+        warm = [self._warm_start(s, b, kw) for s, b, kw in zip(seqs, blocks, kwargs, strict=True)]
+        rows = [w[0] if w else kw for w, kw in zip(warm, kwargs, strict=True)]
+        uids = self._gen.insert([s.prompt[s.cached:] for s in seqs],
                                 max_tokens=[s.max_tokens for s in seqs],
-                                prompt_kwargs=kwargs, logits_processors=processors)
-        for uid, seq, kw in zip(uids, seqs, kwargs, strict=True):
+                                prompt_kwargs=rows, logits_processors=processors)
+        for uid, seq, kw, w in zip(uids, seqs, kwargs, warm, strict=True):
+            if w is not None:
+                self._gen.warm[uid] = (seq.cached, w[1])
             if seq.choice_tokens is not None:  # kept to score the choices (choice_state)
                 self._choice_kwargs[uid] = kw
         for uid, sampler in zip(uids, samplers, strict=True):
@@ -268,8 +322,28 @@ class VisionBackend:
         first = log_softmax(getattr(out, "logits", out)[0, -1])
         return _LogitsOnly(self.kv_model), cache, first
 
-    def compute_prefix(self, tokens: list[int], blocks: list) -> list[tuple]:
-        raise NotImplementedError("the vision backend serves no prefix cache")
+    def compute_prefix(self, seq: Sequence, upto: int, blocks: list[Block]) -> list[tuple]:
+        """Prefill the row's first `upto` tokens (its images merged in) on its own, after
+        `blocks`; each layer's (keys, values) over all of them."""
+        from mlx_vlm.models.cache import KVCache, make_prompt_cache
+
+        from batchrun.engine.vision_batch import cut
+
+        if not self.warm_starts:
+            raise ValueError("this model's rows run without the prefix cache")
+        kwargs = self._row_kwargs(seq)
+        caches = PrefixCache.to_kv_caches(blocks, KVCache) if blocks else \
+            make_prompt_cache(self.kv_model)
+        done = caches[0].offset
+        while done < upto:
+            end = min(upto, done + self._prefill_step)
+            part = cut(kwargs, done, end)
+            if part is None:
+                raise ValueError("this model's prompt inputs cannot be cut at a prefix")
+            self.kv_model(mx.array(seq.prompt[done:end])[None], cache=caches, **part)
+            mx.eval([c.state for c in caches])
+            done = end
+        return [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
 
     def close(self) -> None:
         if self._gen is not None:
@@ -348,14 +422,6 @@ class VisionEngine(Engine):
     def add_vision(self, inputs: VisionInputs, params: SamplingParams) -> int:
         """A request from a processor's output (VisionPrompts.prepare)."""
         return self.add_tokens(inputs.input_ids, params, inputs)
-
-    @property
-    def feature_hits(self) -> int:
-        return self.backend.feature_hits
-
-    @property
-    def feature_misses(self) -> int:
-        return self.backend.feature_misses
 
 
 def _eos_ids(tokenizer: Any, model: Any) -> list[int]:
