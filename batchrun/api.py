@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from batchrun.engine.load import load_engine
 from batchrun.engine.request import EngineConfig, SamplingParams
 
 _SAMPLING = SamplingParams()
@@ -32,21 +33,6 @@ class Engine:
         prefix_cache, cache_dir, ...). `vision` forces (True) or forbids (False) the vision
         backend; by default the model's config decides."""
         return load_engine(model, config or EngineConfig(**engine_options), vision)
-
-
-def load_engine(model: str | None, config: EngineConfig, vision: bool | None = None) -> Any:
-    """The one place that chooses the backend for a model."""
-    from batchrun.models import is_vision_config, read_config, resolve
-
-    if vision is None:
-        vision = is_vision_config(read_config(resolve(model)))
-    if vision:
-        from batchrun.engine.vision import VisionEngine
-
-        return VisionEngine.load(model, config)
-    from batchrun.engine.engine import Engine as TextEngine
-
-    return TextEngine.load(model, config)
 
 
 # Output suffixes that promise a format batchrun does not write (anything else is JSONL).

@@ -126,7 +126,7 @@ class SliceWorker(RowWork):
     def __init__(self, model: str | None, config: EngineConfig, row_options, model_name: str,
                  created: int, vision: bool):
         import batchrun  # noqa: F401  (the BLAS routing, before MLX, in this worker too)
-        from batchrun.api import load_engine
+        from batchrun.engine.load import load_engine
 
         self.engine = load_engine(model, config, vision)
         if self.engine.backend.accepts_images:
