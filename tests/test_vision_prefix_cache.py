@@ -88,13 +88,18 @@ def test_a_shared_system_prompt_is_served_from_the_cache_with_identical_outputs(
                                                                                concurrency):
     chats = [chat("Describe the picture.", IMAGES[i]) for i in range(6)] + [
         chat(IMAGES[6], IMAGES[7], "Compare them."), chat("A row with no picture.")]
-    cold, _ = generate(vlm, chats, cache=False, concurrency=concurrency)
-    warm, engine = generate(vlm, chats, cache=True, concurrency=concurrency)
-    assert [o.token_ids for o in warm] == [o.token_ids for o in cold]
+    alone = [{"role": "user", "content": [{"type": "text", "text": "No system prompt."},
+                                          {"type": "image_url",
+                                           "image_url": {"url": str(IMAGES[1])}}]}]
+    everything = chats[:3] + [alone] + chats[3:]  # a cold row prefills beside warm ones
+    cold, _ = generate(vlm, everything, cache=False, concurrency=concurrency)
+    warm, engine = generate(vlm, everything, cache=True, concurrency=concurrency)
+    assert same_logprobs(warm, cold)
     common = len(os.path.commonprefix([inputs(vlm, c).input_ids for c in chats]))
     system_blocks = common // 64 * 64
     assert system_blocks >= 256
-    assert all(o.cached_tokens >= system_blocks for o in warm)  # the first row too
+    assert warm[3].cached_tokens == 0
+    assert all(o.cached_tokens >= system_blocks for o in warm[:3] + warm[4:])  # the first too
     assert engine.get_cache_stats()["hits"] == len(chats)
 
 
