@@ -172,3 +172,20 @@ def test_an_architecture_without_the_shared_attention_function_falls_back_once(c
         assert not shared_prefix.install(Model())
         assert not shared_prefix.install(Model())
     assert len([r for r in caplog.records if "shared-prefix attention" in r.message]) == 1
+
+
+@pytest.mark.parametrize("dtype,atol", [(mx.float32, 1e-5), (mx.bfloat16, 3e-2)])
+def test_the_fused_prefix_part_equals_the_exact_one(dtype, atol):
+    """The GPU's prefix part (fused attention, its log-sum-exp read from a reference key)
+    against materialized scores; scores spread wide, as a sink token makes them."""
+    mx.random.seed(1)
+    rows, kv_heads, width, D, P = 3, 2, 6, 16, 50
+    q = mx.random.normal((rows, kv_heads, width, D)) * 2
+    keys = mx.random.normal((1, kv_heads, P, D))
+    keys[:, :, 0] = keys[:, :, 0] * 6  # a dominant key
+    values = mx.random.normal((1, kv_heads, P, D))
+    want_out, want_lse = shared_prefix._attend_prefix(q * 0.25, keys, values)
+    out, lse = shared_prefix._attend_prefix_fused(q.astype(dtype), keys.astype(dtype),
+                                                  values.astype(dtype), 0.25)
+    assert mx.allclose(out, want_out, atol=atol).item()
+    assert mx.allclose(lse, want_lse, atol=atol, rtol=atol).item()

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache
 
 DEFAULT_BLOCK_SIZE = 64
@@ -56,18 +57,27 @@ def block_salts(media: Media, block_size: int, n_blocks: int) -> list[bytes]:
 
 def block_keys(tokens: list[int], block_size: int, root: bytes, media: Media = ()) -> list[bytes]:
     """The chained key of each whole block of `tokens` (and of the images in `media`)."""
-    keys, parent = [], root
-    salts = block_salts(media, block_size, len(tokens) // block_size)
-    for i, start in enumerate(range(0, len(tokens) - block_size + 1, block_size)):
-        parent = chain(parent, tokens[start: start + block_size], salts[i])
+    n = len(tokens) // block_size
+    data = _token_bytes(tokens[: n * block_size])
+    keys, parent, width = [], root, 4 * block_size
+    for i, salt in enumerate(block_salts(media, block_size, n)):
+        parent = _chain(parent, data[i * width: (i + 1) * width], salt)
         keys.append(parent)
     return keys
 
 
 def chain(parent: bytes, tokens: list[int] | tuple[int, ...], salt: bytes = b"") -> bytes:
     """The key of a block holding `tokens` (and `salt`) after the block keyed `parent`."""
+    return _chain(parent, _token_bytes(tokens), salt)
+
+
+def _token_bytes(tokens: list[int] | tuple[int, ...]) -> bytes:
+    return np.asarray(tokens, dtype="<u4").tobytes()  # 4 bytes a token, little-endian
+
+
+def _chain(parent: bytes, data: bytes, salt: bytes) -> bytes:
     h = hashlib.blake2b(parent, digest_size=16)
-    h.update(b"".join(t.to_bytes(4, "little") for t in tokens))
+    h.update(data)
     if salt:  # text-only blocks keep the keys they always had
         h.update(salt)
     return h.digest()

@@ -30,6 +30,13 @@ MAX_SCORE_ELEMENTS = 1 << 24
 # On the CPU, prefix parts with at least this many scores go through NumPy (_attend_prefix_host);
 # below it the round trip costs more than MLX's slow exp.
 HOST_MIN_SCORES = 1 << 22
+# On a GPU, the prefix part runs as MLX's fused attention (_attend_prefix_fused), which never
+# holds the score matrix; False: materialized scores in row chunks (_attend_prefix).
+FUSED_ON_GPU = True
+# The rows' own KV grows in steps of this many tokens up to mlx-lm's step (256), then in its
+# steps: a labeling row holds a few tens of its own tokens, and 256 slots a row would be most
+# of the batch's memory.
+OWN_STEP = 32
 _installed: dict[str, Any] = {}  # model module name -> its original attention function
 _refused: set[str] = set()  # model types already logged as unsupported
 
@@ -93,16 +100,24 @@ class SharedPrefixBatchCache(BatchKVCache):
         super().__init__([0] * len(prefixes))
         self.prefixes, self.layer = list(prefixes), layer
         self.offset = self.offset + mx.array([_length(p) for p in prefixes])
+        self._groups: list | None = None  # groups(), until the rows change
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.step = OWN_STEP if self._idx + keys.shape[2] < BatchKVCache.step else \
+            BatchKVCache.step
+        return super().update_and_fetch(keys, values)
 
     def filter(self, batch_indices) -> None:
         super().filter(batch_indices)
         index = batch_indices.tolist() if isinstance(batch_indices, mx.array) else batch_indices
         self.prefixes = [self.prefixes[i] for i in index]
+        self._groups = None
 
     def extend(self, other: BatchKVCache) -> None:
         theirs = getattr(other, "prefixes", None) or [None] * other.offset.shape[0]
         super().extend(other)
         self.prefixes = self.prefixes + list(theirs)
+        self._groups = None
 
     def extract(self, idx: int) -> KVCache:
         """Row `idx`'s whole KV (its prefix, then its own tokens) as a plain KVCache."""
@@ -117,12 +132,14 @@ class SharedPrefixBatchCache(BatchKVCache):
         return cache
 
     def groups(self) -> list[tuple[SharedPrefix, list[int]]]:
-        """Each distinct prefix with the rows that start with it."""
-        rows: dict[int, tuple[SharedPrefix, list[int]]] = {}
-        for i, prefix in enumerate(self.prefixes):
-            if prefix is not None:
-                rows.setdefault(id(prefix), (prefix, []))[1].append(i)
-        return list(rows.values())
+        """Each distinct prefix with the rows that start with it (none: a plain batch)."""
+        if self._groups is None:
+            rows: dict[int, tuple[SharedPrefix, list[int]]] = {}
+            for i, prefix in enumerate(self.prefixes):
+                if prefix is not None:
+                    rows.setdefault(id(prefix), (prefix, []))[1].append(i)
+            self._groups = list(rows.values())
+        return self._groups
 
 
 def _length(prefix: SharedPrefix | None) -> int:
@@ -148,8 +165,7 @@ def install(model: Any) -> bool:
         _installed[module.__name__] = original
 
         def routed(queries, keys, values, cache, scale, mask, sinks=None):
-            if isinstance(cache, SharedPrefixBatchCache) and any(
-                    p is not None for p in cache.prefixes):
+            if isinstance(cache, SharedPrefixBatchCache) and cache.groups():
                 return attention_with_prefix(queries, keys, values, cache, scale, mask, sinks)
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
@@ -173,8 +189,14 @@ def attention_with_prefix(queries: mx.array, keys: mx.array, values: mx.array,
         whole = len(rows) == B
         index = None if whole else mx.array(rows)
         q_rows = q if whole else q[index]
-        if mx.default_device() == mx.cpu and q_rows.size // D * prefix.length >= HOST_MIN_SCORES:
+        on_cpu = mx.default_device() == mx.cpu
+        if on_cpu and q_rows.size // D * prefix.length >= HOST_MIN_SCORES:
             p_out, p_lse = _attend_prefix_host(q_rows, *prefix.host(cache.layer))
+        elif FUSED_ON_GPU and not on_cpu:
+            raw = queries if whole else queries[index]
+            p_out, p_lse = _attend_prefix_fused(
+                raw.reshape(len(rows), kv_heads, G * L, D), prefix.keys[cache.layer],
+                prefix.values[cache.layer], scale)
         else:
             p_out, p_lse = _attend_prefix(q_rows, prefix.keys[cache.layer],
                                           prefix.values[cache.layer])
@@ -211,6 +233,35 @@ def _attend_prefix(q: mx.array, keys: mx.array, values: mx.array) -> tuple[mx.ar
     if len(outs) == 1:
         return outs[0], lses[0]
     return mx.concatenate(outs), mx.concatenate(lses)
+
+
+def _attend_prefix_fused(q: mx.array, keys: mx.array, values: mx.array, scale: float
+                         ) -> tuple[mx.array, mx.array]:
+    """_attend_prefix through MLX's fused attention, which returns no log-sum-exp: it is read
+    from a reference key added to the prefix. The reference key is the prefix's mean key, so
+    its score for each query is that query's mean score `m` (scores are linear in the key), and
+    its weight among the prefix's keys, w = e^m / (Z + e^m) with Z the prefix's sum of
+    exponentials, lies in (0, 1/(length + 1)]: never near 1, where 1 - w would lose precision.
+    Pass 1 (the reference key's value 0) gives o1 = Z / (Z + e^m) times the prefix's output;
+    pass 2 (value 1 for the reference key only) gives w. Then the output is o1 / (1 - w) and
+    log Z = m + log(1 - w) - log(w)."""
+    rows, kv_heads, width, D = q.shape
+    Dv = values.shape[-1]
+    flat = q.transpose(1, 0, 2, 3).reshape(1, kv_heads, rows * width, D)
+    reference = mx.mean(keys.astype(mx.float32), axis=2, keepdims=True).astype(keys.dtype)
+    keys_r = mx.concatenate([keys, reference], axis=2)
+    zero = mx.zeros((1, kv_heads, 1, Dv), values.dtype)
+    o1 = mx.fast.scaled_dot_product_attention(
+        flat, keys_r, mx.concatenate([values, zero], axis=2), scale=scale)
+    marker = mx.concatenate([mx.zeros(values.shape[:3] + (1,), values.dtype),
+                             mx.ones((1, kv_heads, 1, 1), values.dtype)], axis=2)
+    w = mx.fast.scaled_dot_product_attention(flat, keys_r, mx.broadcast_to(
+        marker, keys_r.shape[:3] + (Dv,)), scale=scale)[..., 0].astype(mx.float32)
+    m = (flat.astype(mx.float32) @ reference.astype(mx.float32).swapaxes(-1, -2))[..., 0] * scale
+    out = o1.astype(mx.float32) / (1 - w)[..., None]
+    lse = m + mx.log1p(-w) - mx.log(w)
+    return (out.reshape(kv_heads, rows, width, Dv).transpose(1, 0, 2, 3),
+            lse.reshape(kv_heads, rows, width).transpose(1, 0, 2))
 
 
 def _attend_prefix_host(q: mx.array, keys_t, values) -> tuple[mx.array, mx.array]:

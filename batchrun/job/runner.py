@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import orjson
 from tqdm import tqdm
 
@@ -533,5 +534,5 @@ def _payload_key(prompt_ids: list[int], params, images: tuple[str, ...] = ()) ->
     h = hashlib.blake2b(digest_size=16)
     h.update(repr(dataclasses.astuple(params)).encode())
     h.update("|".join(images).encode())
-    h.update(b"\x00".join(str(t).encode() for t in prompt_ids))
+    h.update(np.asarray(prompt_ids, dtype="<i8").tobytes())
     return h.digest()

@@ -1,0 +1,25 @@
+#!/bin/bash
+# Issue 13's H200 measurements in one device call (the set-up line: shared/gpu/README.md):
+# a 1B Llama-shaped model, the in-process step profile, the whole-process labeling benchmark,
+# a profiled `batchrun run`, and a decode-heavy check that rows without a shared prefix lose
+# nothing. Everything lands under $OUT.
+OUT=${OUT:-/tmp/out}
+MODEL=/tmp/l1b
+[ -f $MODEL/config.json ] || python3 -m batchrun.models.build $MODEL --shape llama-1b \
+    > $OUT/build.log 2>&1
+python3 scripts/profile_labeling.py $OUT/profile --model $MODEL --rows 512 --max-tokens 8 \
+    --variants "${VARIANTS:-default,unfused,step256}" --profile > $OUT/profile.log 2>&1
+tail -5 $OUT/profile.log
+python3 scripts/bench_labeling.py $OUT/whole --model $MODEL --rows 512 --instruction 1000 \
+    --max-tokens 8 --concurrency 512 --systems batchrun,peer > $OUT/whole.log 2>&1
+tail -8 $OUT/whole.log
+python3 -m cProfile -o $OUT/run.prof -m batchrun run $OUT/whole/rows.jsonl --quiet \
+    --max-tokens 8 --model $MODEL --job-dir $OUT/job-profiled \
+    --cache-dir $OUT/whole/cache-batchrun > $OUT/run-profiled.log 2>&1
+python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumtime').print_stats(70)" \
+    $OUT/run.prof > $OUT/run-profile.txt
+rm -f $OUT/run.prof
+python3 -m batchrun bench --model $MODEL --workload short --rows 512 --max-tokens 256 \
+    --max-concurrency 512 --systems prefix,prefix_copies --json $OUT/decode.json \
+    > $OUT/decode.log 2>&1
+tail -8 $OUT/decode.log
