@@ -145,6 +145,9 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
 
     Re-running the same command resumes the job where it stopped.
     """
+    from batchrun.engine import load
+
+    load.HIDE_TORCH = True  # this process is batchrun's own (see load.py)
     try:
         _run(ctx, input_path, opts)
     except KeyboardInterrupt:  # before the job's own Ctrl-C handling (loading), or a second one

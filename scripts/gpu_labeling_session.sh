@@ -8,7 +8,7 @@ MODEL=/tmp/l1b
 [ -f $MODEL/config.json ] || python3 -m batchrun.models.build $MODEL --shape llama-1b \
     > $OUT/build.log 2>&1
 python3 scripts/profile_labeling.py $OUT/profile --model $MODEL --rows 512 --max-tokens 8 \
-    --variants "${VARIANTS:-default,unfused,step256}" --profile > $OUT/profile.log 2>&1
+    --variants "${VARIANTS:-default,unbounded,step256}" --profile > $OUT/profile.log 2>&1
 tail -5 $OUT/profile.log
 python3 scripts/bench_labeling.py $OUT/whole --model $MODEL --rows 512 --instruction 1000 \
     --max-tokens 8 --concurrency 512 --systems batchrun,peer > $OUT/whole.log 2>&1
@@ -23,3 +23,7 @@ python3 -m batchrun bench --model $MODEL --workload short --rows 512 --max-token
     --max-concurrency 512 --systems prefix,prefix_copies --json $OUT/decode.json \
     > $OUT/decode.log 2>&1
 tail -8 $OUT/decode.log
+# At most 8 files come back from a device call: everything small in one archive.
+rm -rf $OUT/whole/cache-* $OUT/whole/job-*/results.jsonl $OUT/job-profiled/results.jsonl
+tar czf $OUT/all.tgz -C $OUT --exclude=all.tgz --exclude='*.jsonl.out' --exclude=rows.jsonl .
+find $OUT -mindepth 1 -not -name all.tgz -delete

@@ -43,7 +43,7 @@ VARIANTS = {
     "step256": {"OWN_STEP": 256},  # mlx-lm's own step for the rows' KV
     "chunks64m": {"MAX_SCORE_ELEMENTS": 1 << 26},
     "chunks4m": {"MAX_SCORE_ELEMENTS": 1 << 22},
-    "unfused": {"FUSED_ON_GPU": False},  # the GPU's prefix part from materialized scores
+    "unbounded": {"EVAL_CHUNKS_ABOVE": 1 << 62},  # the lazy graph holds every chunk
 }
 
 

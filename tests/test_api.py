@@ -82,3 +82,18 @@ def test_a_job_refuses_bad_options_by_name(tmp_path):
         batchrun.Job(rows, choices="a,b", regex="x")
     with pytest.raises(batchrun.api.UsageError, match="not found"):
         batchrun.Job(tmp_path / "missing.jsonl")
+
+
+def test_torch_is_hidden_only_inside_the_block():
+    import importlib.util
+    import sys
+
+    from batchrun.engine.load import torch_hidden
+
+    had = "torch" in sys.modules
+    with torch_hidden():
+        if not had:
+            assert importlib.util.find_spec("torch") is None  # transformers' availability test
+            with pytest.raises(ImportError):
+                import torch  # noqa: F401
+    assert ("torch" in sys.modules) == had  # nothing left behind

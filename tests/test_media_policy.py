@@ -598,6 +598,28 @@ def test_a_build_failure_surfaces_from_take():
     feeder.close()
 
 
+def test_rows_built_on_several_threads_come_out_once_checked_in_input_order():
+    import random
+
+    checked = []
+
+    def check(raw):
+        checked.append(raw.index)
+        return f"dup {raw.index}" if raw.index % 7 == 3 else None
+
+    def build(raw):
+        time.sleep(random.random() / 500)  # builds finish out of order
+        return raw.index
+
+    rows = [RawRow(i, i + 1, {"prompt": "x"}) for i in range(60)]
+    feeder = Feeder(iter(rows), build, lookahead=16, check=check, workers=4)
+    items = take_all(feeder, 60)
+    feeder.close()
+    assert checked == list(range(60))  # the order-dependent checks see the input order
+    assert sorted(map(str, items)) == sorted(
+        [f"dup {i}" if i % 7 == 3 else str(i) for i in range(60)])
+
+
 # -- End to end: the CLI on the tiny vision model ---------------------------------------------
 
 def user(text: str, url: str) -> list[dict]:

@@ -1,10 +1,12 @@
 """Read and build rows on background threads, ahead of the engine.
 
-One thread reads rows; one builds them (chat-template rendering, tokenization, the vision
-processor) while the engine computes (MLX releases the GIL), so the engine's loop only takes
-ready Tasks. A row with images goes to a small pool of fetch threads that load them (each image
-within its media deadline) and comes back to be built: a slow image holds up no other row, so
-rows may come out of input order (the sink orders records by index). At most `lookahead` rows
+One thread reads rows; one dispatches them: it runs the sequential checks (`check`: duplicate
+ids, which depend on input order) and hands each row to `workers` build threads (chat-template
+rendering, tokenization, the vision processor) while the engine computes (MLX and the
+tokenizer release the GIL), so the engine's loop only takes ready Tasks. A row with images goes
+to a small pool of fetch threads that load them (each image within its media deadline) and
+comes back to be built: a slow image holds up no other row, so rows may come out of input
+order (the sink orders records by index). At most `lookahead` rows
 are inside the feeder at once: memory stays flat however large the input is.
 
 Stopping never waits on a fetch: take() waits at most its `timeout` (the caller's loop goes on
@@ -18,6 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 from batchrun.io.jsonl import RawRow
 from batchrun.job.rows import ImagesPending, RowError, Task, defer_images, images_loaded
@@ -31,11 +34,16 @@ _DONE = object()
 
 class Feeder:
     def __init__(self, rows: Iterator[RawRow], build: Callable[[RawRow], Task | RowError],
-                 lookahead: int, fetch_threads: int = FETCH_THREADS):
+                 lookahead: int, fetch_threads: int = FETCH_THREADS,
+                 check: Callable[[RawRow], RowError | None] | None = None, workers: int = 1):
         self._rows = rows
         self._build = build
+        self._check = check
+        self._workers = ThreadPoolExecutor(max(1, workers), "batchrun-build",
+                                           initializer=defer_images)
         self._room = threading.Semaphore(max(1, lookahead))  # rows inside, until taken
-        # The builder's inbox: ("row", raw), ("images", raw, loaded), ("end", error), ("stop",)
+        # The dispatcher's inbox: ("row", raw), ("images", raw, loaded), ("built", raw, item),
+        # ("end", error), ("stop",)
         self._inbox: queue.Queue = queue.Queue()
         self._fetches: queue.Queue = queue.Queue()  # (raw, ImagesPending); None: exit
         self._ready: queue.Queue = queue.Queue()  # built items, then _DONE
@@ -73,36 +81,57 @@ class Feeder:
         return not self._stop.is_set()
 
     def _build_rows(self) -> None:
-        defer_images()  # a row with images comes back through the fetch pool
-        fetching = 0
+        busy = 0  # rows being built or fetching their images
         ended = False
         try:
-            while not (ended and fetching == 0):
+            while not (ended and busy == 0):
                 message = self._inbox.get()
                 if self._stop.is_set():
                     return
-                if message[0] == "end":
+                kind = message[0]
+                if kind == "end":
                     ended = True
                     if message[1] is not None:
                         raise message[1]
                     continue
                 raw = message[1]
-                if message[0] == "images":
-                    fetching -= 1
-                    with images_loaded(message[2]):
-                        item = self._build(raw)
-                else:
-                    try:
-                        item = self._build(raw)
-                    except ImagesPending as pending:
-                        fetching += 1
+                if kind == "built":
+                    item = message[2]
+                    if isinstance(item, ImagesPending):  # fetched, then built again
                         self._start_fetchers()
-                        self._fetches.put((raw, pending))
+                        self._fetches.put((raw, item))
                         continue
-                self._ready.put(item)
+                    busy -= 1
+                    if isinstance(item, BaseException):
+                        raise item
+                    self._ready.put(item)
+                    continue
+                if kind == "row":
+                    error = self._check(raw) if self._check is not None else None
+                    if error is not None:
+                        self._ready.put(error)
+                        continue
+                    busy += 1
+                self._workers.submit(self._build_one, raw, message[2] if kind == "images"
+                                     else None)
         except BaseException as e:  # surfaced to the caller by take()
             self._error = e
         self._ready.put(_DONE)
+
+    def _build_one(self, raw: RawRow, loaded: list | Exception | None) -> None:
+        """On a build thread (images deferred there): the row's Task or RowError, its pending
+        images, or the exception its build raised, back to the dispatcher."""
+        try:
+            if loaded is None:
+                item = self._build(raw)
+            else:
+                with images_loaded(loaded):
+                    item = self._build(raw)
+        except ImagesPending as pending:
+            item = pending
+        except BaseException as e:
+            item = e
+        self._inbox.put(("built", raw, item))
 
     def _start_fetchers(self) -> None:
         if not self._fetchers_started:
@@ -159,6 +188,7 @@ class Feeder:
         its thread is left to end at its deadline."""
         self._stop.set()
         self._inbox.put(("stop",))
+        self._workers.shutdown(wait=False, cancel_futures=True)
         for _ in range(self._fetch_threads):
             self._fetches.put(None)
         deadline = time.monotonic() + CLOSE_WAIT_S
