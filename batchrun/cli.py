@@ -145,9 +145,6 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
 
     Re-running the same command resumes the job where it stopped.
     """
-    from batchrun.engine import load
-
-    load.HIDE_TORCH = True  # this process is batchrun's own (see load.py)
     try:
         _run(ctx, input_path, opts)
     except KeyboardInterrupt:  # before the job's own Ctrl-C handling (loading), or a second one
@@ -157,15 +154,20 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
 
 
 def _run(ctx: click.Context, input_path: Path, opts: dict) -> None:
-    from batchrun.api import Job, UsageError
-    from batchrun.job import report as rp
-    from batchrun.job.runner import Interrupted, JobError
+    from batchrun.engine.load import keep_torch_out
 
     job_file = None
     if input_path.suffix == ".toml":
         job_file = input_path
         opts = _merge_job_file(ctx, input_path, opts)
         input_path = opts.pop("input")
+    if not opts.get("vision"):
+        keep_torch_out(opts.get("model"))  # before anything imports transformers
+
+    from batchrun.api import Job, UsageError
+    from batchrun.job import report as rp
+    from batchrun.job.runner import Interrupted, JobError
+
     if not input_path.exists():
         raise _fail(f"input file not found: {input_path}", code=2)
     if not input_path.is_file():

@@ -19,7 +19,7 @@ python3 -m cProfile -o $OUT/run.prof -m batchrun run $OUT/whole/rows.jsonl --qui
 python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumtime').print_stats(70)" \
     $OUT/run.prof > $OUT/run-profile.txt
 rm -f $OUT/run.prof
-python3 -m batchrun bench --model $MODEL --workload short --rows 512 --max-tokens 256 \
+[ -n "$SKIP_DECODE" ] || python3 -m batchrun bench --model $MODEL --workload short --rows 512 --max-tokens 256 \
     --max-concurrency 512 --systems prefix,prefix_copies --json $OUT/decode.json \
     > $OUT/decode.log 2>&1
 tail -8 $OUT/decode.log

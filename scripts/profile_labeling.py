@@ -44,6 +44,7 @@ VARIANTS = {
     "chunks64m": {"MAX_SCORE_ELEMENTS": 1 << 26},
     "chunks4m": {"MAX_SCORE_ELEMENTS": 1 << 22},
     "unbounded": {"EVAL_CHUNKS_ABOVE": 1 << 62},  # the lazy graph holds every chunk
+    "chunks16m": {"EVAL_CHUNK_ELEMENTS": 1 << 24},  # smaller evaluated chunks, more syncs
 }
 
 

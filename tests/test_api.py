@@ -3,6 +3,7 @@ outputs as the engine driven by hand."""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -84,16 +85,16 @@ def test_a_job_refuses_bad_options_by_name(tmp_path):
         batchrun.Job(tmp_path / "missing.jsonl")
 
 
-def test_torch_is_hidden_only_inside_the_block():
-    import importlib.util
-    import sys
-
-    from batchrun.engine.load import torch_hidden
-
-    had = "torch" in sys.modules
-    with torch_hidden():
-        if not had:
-            assert importlib.util.find_spec("torch") is None  # transformers' availability test
-            with pytest.raises(ImportError):
-                import torch  # noqa: F401
-    assert ("torch" in sys.modules) == had  # nothing left behind
+def test_the_command_line_keeps_torch_out_for_text_models_only(tmp_path):
+    """In a fresh process (the CLI's own): a text model hides PyTorch from transformers, a
+    vision model does not."""
+    code = ("import sys, importlib.util; from batchrun.engine.load import keep_torch_out; "
+            "hidden = keep_torch_out(sys.argv[1] or None); "
+            "print(hidden, importlib.util.find_spec('torch') is None if hidden else '')")
+    root = Path(__file__).resolve().parents[1]
+    text = subprocess.run([sys.executable, "-c", code, ""], capture_output=True, text=True)
+    vision = subprocess.run([sys.executable, "-c", code,
+                             str(root / "sample_data" / "demo-vision-model")],
+                            capture_output=True, text=True)
+    assert text.stdout.split() == ["True", "True"], text.stderr
+    assert vision.stdout.split()[0] == "False", vision.stderr

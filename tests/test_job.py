@@ -221,3 +221,33 @@ def test_job_file_in_jobs_folder_labels_the_sample_reviews(tmp_path):
     manifest = orjson.loads((jobs / "label_reviews" / "job.json").read_bytes())
     assert manifest["options"]["prompt_template"].startswith("Review of a {product}")
     assert "200 done" in result.output
+
+
+def test_a_commit_fsyncs_only_the_files_that_grew(tmp_path, monkeypatch):
+    """An fsync can take a quarter of a second on a network disk: a commit with no errors and
+    an empty spill syncs the results file alone (and state.json's atomic write)."""
+    import os
+
+    from batchrun.job.sink import OrderedSink
+    from batchrun.job.state import Progress
+
+    synced = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(
+        f"/proc/self/fd/{fd}")), real(fd)))
+    sink = OrderedSink(tmp_path / "r.jsonl", tmp_path / "e.jsonl", tmp_path / "s.jsonl",
+                       Progress())
+    sink.sync()  # the first sync: every file
+    assert len(synced) == 3
+    synced.clear()
+    sink.put(0, b'{"a": 1}\n', is_error=False)
+    sink.sync()
+    assert [os.path.basename(p) for p in synced] == ["r.jsonl"]
+    synced.clear()
+    sink.put(2, b'{"a": 3}\n', is_error=True)  # out of order: spilled
+    sink.sync()
+    assert [os.path.basename(p) for p in synced] == ["s.jsonl"]
+    synced.clear()
+    sink.sync()
+    assert synced == []  # nothing new
+    sink.close()

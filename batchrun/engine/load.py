@@ -3,17 +3,10 @@ otherwise (the API, the command line and Ray workers all load engines here)."""
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 from batchrun.engine.request import EngineConfig
-
-# Set by the command line, whose process is batchrun's own: a text model's tokenizer loads with
-# PyTorch hidden from transformers, which otherwise imports it (and what it pulls in) whenever
-# it is installed: 10-15 s of a `batchrun run` on the H200 host, for nothing MLX uses.
-HIDE_TORCH = False
 
 
 def load_engine(model: str | None, config: EngineConfig, vision: bool | None = None) -> Any:
@@ -29,27 +22,18 @@ def load_engine(model: str | None, config: EngineConfig, vision: bool | None = N
         return VisionEngine.load(model, config)
     from batchrun.engine.engine import Engine
 
-    if not HIDE_TORCH:
-        return Engine.load(model, config)
-    try:
-        with torch_hidden():
-            return Engine.load(model, config)
-    except ImportError as e:  # a tokenizer's own code that needs it after all
-        if "torch" not in str(e):
-            raise
-        return Engine.load(model, config)
+    return Engine.load(model, config)
 
 
-@contextlib.contextmanager
-def torch_hidden() -> Iterator[None]:
-    """`import torch` fails, and transformers sees no PyTorch, inside the block (unless it
-    was imported already)."""
-    if "torch" in sys.modules:
-        yield
-        return
+def keep_torch_out(model: str | None) -> bool:
+    """For a process that is batchrun's own (the command line), before anything imports
+    transformers: when `model` is a text model, PyTorch is hidden (`import torch` fails, and
+    transformers sees none). transformers imports it whenever it is installed, with what it
+    pulls in: 10-15 s of every `batchrun run` on the H200 host, for nothing MLX uses. Vision
+    models keep it (image processors may use it). Whether it is now hidden."""
+    from batchrun.models import is_vision_config, read_config, resolve
+
+    if "torch" in sys.modules or is_vision_config(read_config(resolve(model))):
+        return sys.modules.get("torch", 0) is None
     sys.modules["torch"] = None  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        if sys.modules.get("torch", 0) is None:
-            del sys.modules["torch"]
+    return True

@@ -27,10 +27,12 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 log = logging.getLogger("batchrun")
 # Scores of the prefix part are materialized: row chunks keep them under this many elements.
 MAX_SCORE_ELEMENTS = 1 << 24
-# A prefix part with more scores than this (a prefill's) is evaluated chunk by chunk: MLX's lazy
-# graph would otherwise hold every chunk's scores at once (measured on the H200: 15.8 GiB peak
-# for 512 rows under a 1,000-token prefix, the weights 2.5). Decode steps stay below it.
+# A prefix part with more scores than this (a prefill's) is evaluated chunk by chunk, in chunks
+# of EVAL_CHUNK_ELEMENTS: MLX's lazy graph would otherwise hold every chunk's scores at once
+# (measured on the H200: 15.8 GiB peak for 512 rows under a 1,000-token prefix, the weights 2.5;
+# 8.5 GiB evaluated in 16M-score chunks, whose 640 syncs cost ~0.5 s). Decode steps stay below.
 EVAL_CHUNKS_ABOVE = 1 << 26
+EVAL_CHUNK_ELEMENTS = 1 << 25
 # On the CPU, prefix parts with at least this many scores go through NumPy (_attend_prefix_host);
 # below it the round trip costs more than MLX's slow exp.
 HOST_MIN_SCORES = 1 << 22
@@ -225,9 +227,9 @@ def _attend_prefix(q: mx.array, keys: mx.array, values: mx.array) -> tuple[mx.ar
     rows, kv_heads, width, D = q.shape
     length = keys.shape[2]
     per_row = kv_heads * width * length
-    chunk = max(1, MAX_SCORE_ELEMENTS // max(1, per_row))
-    keys_t = keys.astype(mx.float32).swapaxes(-1, -2)
     bounded = rows * per_row > EVAL_CHUNKS_ABOVE
+    chunk = max(1, (EVAL_CHUNK_ELEMENTS if bounded else MAX_SCORE_ELEMENTS) // max(1, per_row))
+    keys_t = keys.astype(mx.float32).swapaxes(-1, -2)
     outs, lses = [], []
     for start in range(0, rows, chunk):
         part = q[start: start + chunk]
