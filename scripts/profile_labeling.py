@@ -45,6 +45,7 @@ VARIANTS = {
     "chunks4m": {"MAX_SCORE_ELEMENTS": 1 << 22},
     "unbounded": {"EVAL_CHUNKS_ABOVE": 1 << 62},  # the lazy graph holds every chunk
     "chunks16m": {"EVAL_CHUNK_ELEMENTS": 1 << 24},  # smaller evaluated chunks, more syncs
+    "chunks128m": {"EVAL_CHUNK_ELEMENTS": 1 << 27},
 }
 
 

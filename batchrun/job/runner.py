@@ -303,6 +303,7 @@ class JobRunner(RowWork):
         self.model_name = model_name
         self.model_path = model_path
         self.device = device
+        self._write_cost = 0.0  # seconds one atomic write took (prepare)
         spec.rows.base_dir = spec.input.resolve().parent  # relative image paths start here
         self.state = JobState(spec.job_dir, spec.results_path, spec.errors_path)
         self.lock = JobLock(spec.job_dir)
@@ -351,7 +352,10 @@ class JobRunner(RowWork):
             for name in ("report.json", "report.html"):
                 (spec.job_dir / name).unlink(missing_ok=True)
         self.manifest = new
+        start = time.perf_counter()
         mf.save_manifest(spec.job_dir, new)
+        # What one atomic write costs on this disk: a commit makes about three.
+        self._write_cost = time.perf_counter() - start
         recovery = recover(self.state, read_rows(spec.input, 0), self._expected_id,
                            self._remember_id)
         if recovery.problems:
@@ -393,7 +397,8 @@ class JobRunner(RowWork):
         bar = tqdm(total=self.rows_total, initial=progress.rows_done + progress.rows_failed,
                    unit="row", disable=spec.quiet, dynamic_ncols=True, smoothing=0.1)
         last = {"commit": time.perf_counter(), "bar": time.perf_counter(),
-                "interval": COMMIT_INTERVAL_S, "rows": finished(sink)}
+                "interval": max(COMMIT_INTERVAL_S, 3 * self._write_cost / COMMIT_SHARE),
+                "rows": finished(sink)}
 
         def tick() -> None:
             """Commit when its interval has passed and rows were written; refresh the bar."""
