@@ -158,6 +158,11 @@ class Engine(Requests, CacheControl):
             return (f"prompt + max_tokens = {seq.length} tokens need "
                     f"{self.memory.cost([seq.length]):,} bytes of KV cache; the budget is "
                     f"{self.memory.budget:,}: lower max_tokens or raise the memory limit")
+        vocab = self.backend.vocab_size
+        if any(t >= vocab for t, _ in seq.params.logit_bias):
+            return f"logit_bias names token ids past the vocabulary (size {vocab})"
+        if any(t >= vocab for t in seq.params.stop_token_ids):
+            return f"stop_token_ids names token ids past the vocabulary (size {vocab})"
         error = self.backend.reject(seq.params)
         if error is None and seq.params.constraint is not None:
             try:

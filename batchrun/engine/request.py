@@ -35,6 +35,14 @@ class SamplingParams:
     top_logprobs: int = 0
     # The answer must match this (JSON schema, regex, choices); see constrain.py.
     constraint: Constraint | None = None
+    # OpenAI's penalties (generated tokens), vLLM's repetition penalty (prompt and generated
+    # tokens; 1 is none), additive logit bias per token id, and a floor under the answer's
+    # length (EOS and stop_token_ids are barred until then): sampling.LogitAdjustments.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
@@ -52,6 +60,26 @@ class SamplingParams:
                "top_logprobs", self.top_logprobs, "an integer in [0, 20]")
         _check(self.constraint is None or isinstance(self.constraint, Constraint),
                "constraint", self.constraint, "a Constraint")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_finite(value) and -2 <= value <= 2, name, value, "a number in [-2, 2]")
+        _check(_finite(self.repetition_penalty) and self.repetition_penalty > 0,
+               "repetition_penalty", self.repetition_penalty, "a number > 0 (1 is none)")
+        _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and _finite(b)
+                   and -100 <= b <= 100 for t, b in self.logit_bias), "logit_bias",
+               dict(self.logit_bias), "token ids mapped to numbers in [-100, 100]")
+        _check(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)
+               and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+               f"an integer in [0, max_tokens = {self.max_tokens}]")
+        _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                   for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
+               "token ids")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Penalties, logit bias or min_tokens apply (sampling.LogitAdjustments)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.min_tokens or self.repetition_penalty != 1)
 
     @property
     def greedy(self) -> bool:

@@ -42,3 +42,44 @@ def make_sampler(params: SamplingParams, seed: int):
         return mx.random.categorical(logprobs * inv_temp, key=key)
 
     return sample
+
+
+class LogitAdjustments:
+    """One row's logit bias, penalties and min_tokens, as a logits processor: called before
+    each generated token with the row's tokens so far (its prompt, then what it generated),
+    the generated ones last.
+
+    - presence / frequency penalty (OpenAI): minus `presence` for every token generated at
+      least once, minus `frequency` for each time it was generated;
+    - repetition penalty (vLLM): a seen token's logit (prompt or generated) is divided by it
+      when positive, multiplied when negative;
+    - logit_bias: added to the token's logit;
+    - min_tokens: end-of-sequence and stop token ids barred until that many were generated.
+    """
+
+    def __init__(self, params: SamplingParams, end_ids: tuple[int, ...]):
+        self.params = params
+        self.bias = None
+        if params.logit_bias:
+            ids, values = zip(*params.logit_bias, strict=True)
+            self.bias = (mx.array(ids), mx.array(values, dtype=mx.float32))
+        self.end_ids = mx.array(sorted({*end_ids, *params.stop_token_ids}))
+        self.generated = 0  # tokens generated before this call
+
+    def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
+        p = self.params
+        n, self.generated = self.generated, self.generated + 1
+        logits = logits.astype(mx.float32)
+        if self.bias is not None:
+            logits = logits.at[:, self.bias[0]].add(self.bias[1])
+        if p.repetition_penalty != 1 and context.size:
+            seen = logits[:, context]
+            logits[:, context] = mx.where(seen > 0, seen / p.repetition_penalty,
+                                          seen * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and n:
+            mine = context[-n:]
+            counts = mx.zeros((logits.shape[-1],), mx.float32).at[mine].add(1)
+            logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+        if n < p.min_tokens:
+            logits[:, self.end_ids] = -mx.inf
+        return logits

@@ -19,7 +19,7 @@ from batchrun.engine.batch import LeanGenerationBatch
 from batchrun.engine.postprocess import Step
 from batchrun.engine.prompt import PromptBuilder
 from batchrun.engine.request import EngineConfig, SamplingParams
-from batchrun.engine.sampling import make_sampler
+from batchrun.engine.sampling import LogitAdjustments, make_sampler
 from batchrun.engine.sequence import Sequence
 from batchrun.engine.shared_prefix import PrefixedCache, SharedPrefix, install
 
@@ -83,13 +83,19 @@ class TextBackend:
             caches=[self._row_cache(b) for b in blocks],
             all_tokens=[s.prompt[: s.cached] for s in seqs],
             samplers=[make_sampler(s.params, s.seed) for s in seqs],
-            logits_processors=[[s.processor] if s.processor else [] for s in seqs],
+            logits_processors=[self._processors(s) for s in seqs],
             stop_sequences=[self._stops(s.params) for s in seqs],
         )
         for uid, s in zip(uids, seqs, strict=True):
             if s.params.logprobs or s.params.top_logprobs or s.choice_tokens:
                 self._logprob_uids.add(uid)
         return uids
+
+    def _processors(self, seq: Sequence) -> list:
+        """The row's logits processors: penalties and bias first, then its grammar."""
+        processors = [LogitAdjustments(seq.params, self.eos)] if seq.params.adjusts_logits \
+            else []
+        return processors + ([seq.processor] if seq.processor else [])
 
     def _row_cache(self, blocks: list[Block]) -> list | None:
         """A row's starting cache: a copy of its cached blocks, or (sharing) a reference to

@@ -226,6 +226,9 @@ class VisionBackend:
         return self._wrapped.detokenizer
 
     def reject(self, params: SamplingParams) -> str | None:
+        if params.adjusts_logits:
+            return ("presence_penalty, frequency_penalty, repetition_penalty, logit_bias and "
+                    "min_tokens are not supported with vision models yet: remove them")
         return None
 
     def prepare(self, seq: Sequence) -> str | None:

@@ -30,7 +30,17 @@ from batchrun.engine.request import SamplingParams
 
 OPENAI_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                   "logprobs", "top_logprobs")
+                   "logprobs", "top_logprobs", "stop_token_ids", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "min_tokens")
+# OpenAI / vLLM request fields batchrun cannot honour: a row that sets one (to other than its
+# no-op value) is that row's error, never silently answered as if it had not.
+UNSUPPORTED = {
+    "best_of": lambda v: v not in (None, 1),
+    "echo": lambda v: v not in (None, False),
+    "suffix": lambda v: v not in (None, ""),
+    "tool_choice": lambda v: v not in (None, "auto", "none"),
+    "stream": lambda v: v not in (None, False),
+}
 MAX_N = 128
 
 
@@ -166,7 +176,11 @@ def _build(value: Any, index: int, line: int, custom_id: str, prompts: PromptBui
         body = value.get("body")
         if not isinstance(body, dict):
             raise RowRejected("invalid_row", "body must be an object")
-    params = sampling_params(body, options.defaults)
+    for name, unsupported in UNSUPPORTED.items():
+        if unsupported(body.get(name)):
+            raise RowRejected("unsupported_field", f"{name} = {body[name]!r} is not supported "
+                                                   "by batchrun: remove it")
+    params = sampling_params(body, options.defaults, openai == "completion")
     params = dataclasses.replace(params, constraint=row_constraint(body, options))
     n = body.get("n", options.n)
     if n is None:
@@ -236,6 +250,12 @@ def _prompt_ids(body: dict, openai: str | None, prompts: PromptBuilder, options:
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise RowRejected("invalid_field", "chat_template_kwargs must be an object")
+    if body.get("enable_thinking") is not None:  # vLLM's top-level form of the template switch
+        if not isinstance(body["enable_thinking"], bool):
+            raise RowRejected("invalid_field", "enable_thinking must be true or false")
+        kwargs = {**(kwargs or {}), "enable_thinking": body["enable_thinking"]}
+    if body.get("tool_choice") == "none":  # no tools offered: the model cannot call one
+        body = {**body, "tools": None}
     refs = _image_refs(messages, openai)
     if column_image is not None or refs:
         return _with_images(messages, refs, body, prompts, options, column_image, openai)
@@ -340,18 +360,30 @@ def row_seed(index: int, base: int = 0) -> int:
     return (base * 1_000_003 + index * 7919 + 17) & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def sampling_params(body: dict, defaults: SamplingParams) -> SamplingParams:
-    """The job's defaults overridden by the row's own sampling fields."""
+def sampling_params(body: dict, defaults: SamplingParams,
+                    completion: bool = False) -> SamplingParams:
+    """The job's defaults overridden by the row's own sampling fields. In a /v1/completions
+    body an integer `logprobs` is OpenAI's count of alternatives a token."""
     overrides: dict[str, Any] = {}
     if "max_completion_tokens" in body and "max_tokens" not in body:
         overrides["max_tokens"] = body["max_completion_tokens"]
     for name in SAMPLING_FIELDS:
         if name in body and body[name] is not None:
             overrides[name] = body[name]
-    if "stop" in overrides:
-        stop = overrides["stop"]
-        overrides["stop"] = (stop,) if isinstance(stop, str) else tuple(stop) \
-            if isinstance(stop, list) else stop
+    for name in ("stop", "stop_token_ids"):
+        value = overrides.get(name)
+        if isinstance(value, (str, int)) and not isinstance(value, bool):
+            overrides[name] = (value,)
+        elif isinstance(value, list):
+            overrides[name] = tuple(value)
+    if body.get("logit_bias") is not None:
+        overrides["logit_bias"] = _logit_bias(body["logit_bias"])
+    count = overrides.get("logprobs")
+    if completion and isinstance(count, int) and not isinstance(count, bool):
+        if not 0 <= count <= 20:
+            raise RowRejected("invalid_field", f"logprobs must be an integer in [0, 20], "
+                                               f"got {count!r}")
+        overrides["logprobs"], overrides["top_logprobs"] = True, count
     if isinstance(overrides.get("top_logprobs"), int) and overrides["top_logprobs"] > 0:
         overrides["logprobs"] = True
     if overrides.get("logprobs") is not None and not isinstance(overrides["logprobs"], bool):
@@ -361,6 +393,23 @@ def sampling_params(body: dict, defaults: SamplingParams) -> SamplingParams:
         return dataclasses.replace(defaults, **overrides)
     except (ValueError, TypeError) as e:
         raise RowRejected("invalid_sampling", str(e)) from None
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: token ids (as JSON object keys: strings) mapped to numbers."""
+    if not isinstance(value, dict):
+        raise RowRejected("invalid_field", "logit_bias must be an object of token id: bias")
+    bias = []
+    for key, number in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise RowRejected("invalid_field", f"logit_bias: {key!r} is not a token id") \
+                from None
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
+            raise RowRejected("invalid_field", f"logit_bias[{key!r}] must be a number")
+        bias.append((token, float(number)))
+    return tuple(bias)
 
 
 def _kind(value: Any) -> str:

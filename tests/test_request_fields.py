@@ -1,0 +1,94 @@
+"""Every OpenAI / vLLM request field a migrated batch file may carry is honoured, or the row is
+an error naming the field: never silently answered as if it were absent."""
+
+import mlx.core as mx
+import pytest
+from helpers import jsonl, run, write_rows
+
+from batchrun.engine.engine import Engine
+from batchrun.engine.request import SamplingParams
+from batchrun.engine.sampling import LogitAdjustments
+
+PROMPT = "Review: the kettle is fine"
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.load(None)
+
+
+def tokens(engine, **sampling) -> list[int]:
+    return engine.generate([PROMPT], SamplingParams(max_tokens=8, **sampling))[0].token_ids
+
+
+def test_a_logit_bias_of_100_forces_its_token_and_minus_100_bans_one(engine):
+    free = tokens(engine)
+    assert tokens(engine, logit_bias=((100, 100.0),)) == [100] * 8
+    banned = tokens(engine, logit_bias=((free[0], -100.0),))
+    assert banned[0] != free[0] and free[0] not in banned
+
+
+def test_min_tokens_bars_the_stop_token_until_reached(engine):
+    first = tokens(engine)[0]
+    assert tokens(engine, stop_token_ids=(first,)) == []  # stops at once
+    out = engine.generate([PROMPT], SamplingParams(max_tokens=8, stop_token_ids=(first,),
+                                                   min_tokens=3))[0]
+    assert len(out.token_ids) >= 3 and first not in out.token_ids[:3]
+
+
+def test_penalties_change_logits_as_openai_and_vllm_define_them():
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25,
+                            repetition_penalty=2.0, logit_bias=((0, 1.0),))
+    adjust = LogitAdjustments(params, end_ids=(5,))
+    logits = mx.array([[1.0, -1.0, 2.0, 4.0, 0.5, 3.0]])
+    first = adjust(mx.array([1]), logits)[0].tolist()  # nothing generated yet: bias, repetition
+    assert first == pytest.approx([2.0, -2.0, 2.0, 4.0, 0.5, 3.0])
+    for context in ([1, 3], [1, 3, 3]):
+        adjust(mx.array(context), logits)
+    # The prompt was [1]; tokens 3, 3 and 2 were generated.
+    out = adjust(mx.array([1, 3, 3, 2]), logits)[0].tolist()
+    assert out[0] == pytest.approx(2.0)  # bias +1
+    assert out[1] == pytest.approx(-2.0)  # in the prompt: repetition only (x2, negative)
+    assert out[2] == pytest.approx(2.0 / 2 - 0.25 - 0.5)  # generated once
+    assert out[3] == pytest.approx(4.0 / 2 - 2 * 0.25 - 0.5)  # generated twice
+    assert out[4] == pytest.approx(0.5)  # never seen
+    assert out[5] == pytest.approx(3.0)
+
+
+def test_migrated_openai_rows_honour_or_reject_every_field(tmp_path):
+    def row(name, **body):
+        return {"custom_id": name, "method": "POST", "url": "/v1/completions",
+                "body": {"model": "m", "prompt": PROMPT, "max_tokens": 6, **body}}
+
+    rows = [row("bias", logit_bias={"100": 100}),
+            row("penalties", presence_penalty=1.0, frequency_penalty=1.0,
+                repetition_penalty=1.3),
+            row("logprobs", logprobs=2),
+            row("best_of", best_of=3), row("echo", echo=True), row("suffix", suffix="x"),
+            row("bad_bias", logit_bias={"x": 1}), row("too_big", logit_bias={"99999": 1}),
+            row("plain")]
+    job = tmp_path / "job"
+    run(write_rows(tmp_path / "rows.jsonl", rows), "--job-dir", job)
+    out = {r["custom_id"]: r for r in jsonl(job / "results.jsonl")}
+    errors = {r["custom_id"]: r for r in jsonl(job / "errors.jsonl")}
+    assert set(out) == {"bias", "penalties", "logprobs", "plain"}
+    assert out["bias"]["response"]["body"]["choices"][0]["text"] != \
+        out["plain"]["response"]["body"]["choices"][0]["text"]
+    top = out["logprobs"]["response"]["body"]["choices"][0]["logprobs"]["top_logprobs"]
+    assert len(top) == 6 and all(1 <= len(t) <= 2 for t in top)  # keyed by text: may merge
+    for name in ("best_of", "echo", "suffix"):
+        assert errors[name]["error"]["code"] == "unsupported_field"
+        assert name in errors[name]["error"]["message"]
+    assert "logit_bias" in errors["bad_bias"]["error"]["message"]
+    assert "logit_bias" in errors["too_big"]["error"]["message"]
+
+
+def test_top_level_enable_thinking_reaches_the_chat_template(tmp_path):
+    chat = [{"role": "user", "content": "Is the kettle good?"}]
+    rows = [{"custom_id": str(v), "messages": chat, "enable_thinking": v, "max_tokens": 2}
+            for v in (True, False)]
+    job = tmp_path / "job"
+    run(write_rows(tmp_path / "rows.jsonl", rows), "--job-dir", job)
+    prompt_tokens = {r["custom_id"]: r["usage"]["prompt_tokens"]
+                     for r in jsonl(job / "results.jsonl")}
+    assert prompt_tokens["True"] != prompt_tokens["False"]
