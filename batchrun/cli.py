@@ -28,6 +28,7 @@ JOB_FILE_KEYS = ("input", "model", "output", "job_dir", "max_concurrency", "max_
                  "regex", "n", "logprobs", "top_logprobs", "image_column", "media_root",
                  "allow_private_urls", "media_timeout", "vision", "ray_address",
                  "ray_actors", "ray_num_cpus", "ray_num_gpus", "ray_slice_rows")
+ROWS_FAILED = 3  # exit code of --fail-on-row-errors when a row failed
 JOB_FILE_PATHS = ("input", "output", "job_dir", "cache_dir", "json_schema")
 
 
@@ -44,10 +45,15 @@ def resume_command(args: list[str]) -> str:
     return f"batchrun run {' '.join(_quote(a) for a in kept)}".strip()
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"],
+                                "auto_envvar_prefix": "BATCHRUN"})
 @click.version_option(batchrun.__version__, prog_name="batchrun")
 def cli() -> None:
-    """Offline batch jobs for LLM inference on MLX."""
+    """Offline batch jobs for LLM inference on MLX.
+
+    Every option's default can come from the environment: BATCHRUN_<COMMAND>_<OPTION>
+    (BATCHRUN_RUN_MAX_TOKENS=64), and BATCHRUN_MODEL for --model. The command line and a job
+    file win over the environment."""
     _show_warnings()
 
 
@@ -66,8 +72,9 @@ def _show_warnings() -> None:
 
 @cli.command()
 @click.argument("input_path", metavar="INPUT", type=click.Path(path_type=Path))
-@click.option("--model", default=None, help="mlx-lm model folder or Hugging Face id "
-              "[default: the bundled demo model]")
+@click.option("--model", default=None, envvar="BATCHRUN_MODEL",
+              help="mlx-lm model folder or Hugging Face id [default: the bundled demo model; "
+              "env BATCHRUN_MODEL]")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="results file; a .parquet suffix writes Parquet "
                    "[default: <job-dir>/results.jsonl]")
@@ -139,6 +146,8 @@ def _show_warnings() -> None:
 @click.option("--restart", is_flag=True, help="discard earlier progress of this job")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @click.option("--debug", is_flag=True, help="show tracebacks")
+@click.option("--fail-on-row-errors", is_flag=True,
+              help="exit 3 when any row ended as an error record (every row still has one)")
 @click.pass_context
 def run(ctx: click.Context, input_path: Path, **opts) -> None:
     """Process a .jsonl / .jsonl.gz / .parquet file, or a job file (.toml).
@@ -173,6 +182,7 @@ def _run(ctx: click.Context, input_path: Path, opts: dict) -> None:
     if not input_path.is_file():
         raise _fail(f"the input {input_path} is not a regular file", code=2)
     debug = opts.pop("debug")
+    fail_on_row_errors = opts.pop("fail_on_row_errors", False)
     moved = opts.pop("_output_follows_job_dir", False)
     if job_file and not opts["job_dir"]:
         opts["job_dir"] = job_file.parent / job_file.stem
@@ -218,6 +228,8 @@ def _run(ctx: click.Context, input_path: Path, opts: dict) -> None:
             click.echo(f"worker {w['actor']}: {w['rows']:,} rows in {w['slices']} slices, "
                        f"{w['completion_tokens_per_s']:,.1f} tok/s busy ({w['node']}, "
                        f"pid {w['pid']}{', died' if not w['alive'] else ''})", err=True)
+        if fail_on_row_errors and report["rows_failed"]:
+            ctx.exit(ROWS_FAILED)
         return
     cache_stats = engine.get_cache_stats()
     if cache_stats and (cache_stats["hits"] or cache_stats["stored_blocks"]):
@@ -226,6 +238,8 @@ def _run(ctx: click.Context, input_path: Path, opts: dict) -> None:
                    f"{cache_stats['disk_loaded_blocks']:,} blocks from disk"
                    + (f", {cache_stats['disk_skipped']:,} damaged entries removed"
                       if cache_stats["disk_skipped"] else "") + ")", err=True)
+    if fail_on_row_errors and report["rows_failed"]:
+        ctx.exit(ROWS_FAILED)
 
 
 def _prepare(job, debug: bool) -> None:
@@ -380,7 +394,8 @@ def _read_job(job_dir: Path) -> tuple[dict, dict | None]:
 
 
 @cli.command()
-@click.option("--model", default=None, help="mlx-lm model folder or Hugging Face id")
+@click.option("--model", default=None, envvar="BATCHRUN_MODEL",
+              help="mlx-lm model folder or Hugging Face id [env BATCHRUN_MODEL]")
 @click.option("--shape", default=None, help="random-weight model of a named shape: "
               "demo, 150m, llama-1b (built once into the cache folder)")
 @click.option("--workload", type=click.Choice(["short", "mixed", "mixed512", "labeling"]),

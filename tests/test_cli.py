@@ -88,3 +88,38 @@ def test_the_command_line_starts_without_loading_mlx():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_fail_on_row_errors_exits_3_after_every_row_has_its_record(tmp_path):
+    from helpers import jsonl as read_jsonl
+    from helpers import run as run_cli
+    from helpers import write_rows as rows_file
+
+    data = rows_file(tmp_path / "rows.jsonl", [{"prompt": "fine", "max_tokens": 2},
+                                               {"prompt": "", "max_tokens": 2}])
+    run_cli(data, "--job-dir", tmp_path / "a")  # exit 0 without the flag
+    run_cli(data, "--job-dir", tmp_path / "b", "--fail-on-row-errors", code=3)
+    assert len(read_jsonl(tmp_path / "b" / "results.jsonl")) == 1
+    assert len(read_jsonl(tmp_path / "b" / "errors.jsonl")) == 1
+    clean = rows_file(tmp_path / "clean.jsonl", [{"prompt": "fine", "max_tokens": 2}])
+    run_cli(clean, "--job-dir", tmp_path / "c", "--fail-on-row-errors")  # exit 0
+
+
+def test_defaults_come_from_the_environment_and_the_command_line_wins(tmp_path, monkeypatch):
+    from helpers import jsonl as read_jsonl
+    from helpers import run as run_cli
+    from helpers import write_rows as rows_file
+
+    data = rows_file(tmp_path / "rows.jsonl", [{"prompt": "Once upon a time"}])
+    monkeypatch.setenv("BATCHRUN_MODEL", "demo")
+    monkeypatch.setenv("BATCHRUN_RUN_MAX_TOKENS", "3")
+    run_cli(data, "--job-dir", tmp_path / "env")
+    (env,) = read_jsonl(tmp_path / "env" / "results.jsonl")
+    assert env["usage"]["completion_tokens"] <= 3
+    run_cli(data, "--job-dir", tmp_path / "flag", "--max-tokens", "5")
+    (flag,) = read_jsonl(tmp_path / "flag" / "results.jsonl")
+    assert 3 < flag["usage"]["completion_tokens"] <= 5 or flag["finish_reason"] == "stop"
+    monkeypatch.setenv("BATCHRUN_MODEL", str(tmp_path / "no-such-model"))
+    result = CliRunner().invoke(cli, ["run", str(data), "--job-dir", str(tmp_path / "bad"),
+                                      "--quiet"])
+    assert result.exit_code != 0 and "no-such-model" in result.output

@@ -6,6 +6,7 @@ import logging
 import os
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 from helpers import jsonl, run, write_rows
 from PIL import Image
@@ -187,3 +188,49 @@ def test_a_job_of_image_rows_reuses_its_cache_on_a_second_run(tmp_path):
     assert texts[0] == texts[1] == texts[2]
     second = [r["usage"] for r in jsonl(tmp_path / "two" / "results.jsonl")]
     assert all(u["prompt_tokens_details"]["cached_tokens"] >= 128 for u in second)
+
+
+def test_an_aborted_waiting_row_leaves_nothing_behind(vlm, twins):
+    """A row whose shared prefix was computed, then aborted while it waits for room."""
+    red, blue = twins
+    images = ImageCache()
+    first = inputs(vlm, [{"role": "user", "content": QUESTION + QUESTION}], images)
+    engine = VisionEngine(vlm.model, vlm.processor,
+                          EngineConfig(prefill_tokens=len(first.input_ids) + 10),
+                          vlm.context_length, model_fingerprint=vlm.model_fingerprint)
+    engine.enable_prefix_cache()
+    engine.add_vision(first, SamplingParams(max_tokens=4))
+    waiting = [engine.add_vision(inputs(vlm, chat(red, QUESTION + f" {i}"), images),
+                                 SamplingParams(max_tokens=4)) for i in range(3)]
+    engine.step()
+    for request in waiting:
+        engine.abort(request)
+    engine.run()
+    assert not engine.has_work()
+    assert engine.backend._kwargs == {} and engine.backend._gen.warm == {}
+
+
+def test_image_inputs_without_placement_never_share_a_picture():
+    from batchrun.engine.vision import VisionInputs
+
+    pixels = mx.zeros((1,))
+    two = VisionInputs([1, 9, 9, 2], pixels, digests=("a", "b"))
+    assert two.media == ((0, "a"), (0, "b"))  # every block depends on both pictures
+    unnamed = [VisionInputs([1, 9, 9, 2], pixels) for _ in range(2)]
+    assert unnamed[0].media and unnamed[0].media != unnamed[1].media
+    assert VisionInputs([1, 2]).media == ()  # text only: the tokens say everything
+
+
+def test_the_fingerprint_of_a_vision_model_covers_its_image_preprocessing(tmp_path):
+    import json
+    import shutil
+
+    from batchrun.models import model_fingerprint
+
+    copy = tmp_path / "model"
+    shutil.copytree(MODEL, copy)
+    before = model_fingerprint(str(copy))
+    config = json.loads((copy / "preprocessor_config.json").read_text())
+    config["image_mean"] = [0.5, 0.5, 0.5]
+    (copy / "preprocessor_config.json").write_text(json.dumps(config))
+    assert model_fingerprint(str(copy)) != before

@@ -29,6 +29,7 @@ rows split by image shape) is not used.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +59,15 @@ class VisionInputs:
     extra: dict = field(default_factory=dict)  # image_grid_thw, attention_mask, ...
     digests: tuple[str, ...] = ()  # content hashes of the row's images, in order
     media: Media = ()  # where each image's placeholders start, with its digest (prefix keys)
+
+    def __post_init__(self) -> None:
+        # Inputs made without VisionPrompts.prepare may carry pixels and no placement: every
+        # block then depends on all of the row's images (or, with no digests either, on a
+        # salt no other row has), so no picture's KV is ever served to another.
+        if self.pixel_values is not None and len(self.media) != len(self.digests):
+            self.media = tuple((0, d) for d in self.digests)
+        if self.pixel_values is not None and not self.digests:
+            self.media = ((0, f"unidentified-{id(self)}-{time.time_ns()}"),)
 
 
 class VisionPrompts:
@@ -334,7 +344,9 @@ class VisionBackend:
 
         if not self.warm_starts:
             raise ValueError("this model's rows run without the prefix cache")
-        kwargs = self._row_kwargs(seq)
+        # Not kept for the row: it may be aborted while it waits, and nothing would drop them.
+        inputs = seq.inputs if seq.inputs is not None else VisionInputs(seq.prompt)
+        kwargs = self._kwargs.get(seq.id) or self._embed(inputs)
         caches = PrefixCache.to_kv_caches(blocks, KVCache) if blocks else \
             make_prompt_cache(self.kv_model)
         done = caches[0].offset

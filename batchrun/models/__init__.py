@@ -11,6 +11,9 @@ from typing import Any
 CHUNK = 1 << 20
 MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                "chat_template.json", "generation_config.json", "special_tokens_map.json")
+# A vision model's image preprocessing changes its image KV without changing any token.
+VISION_FILES = ("preprocessor_config.json", "processor_config.json",
+                "video_preprocessor_config.json")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEMO_MODEL = REPO_ROOT / "sample_data" / "demo-model"
 DEMO_NAME = "demo"
@@ -151,7 +154,13 @@ def model_fingerprint(model_path: str) -> str:
         raise ModelError(f"cannot fingerprint {model_path}: not a local model folder")
     if root.parent.name == "snapshots":
         h.update(f"revision={root.name}".encode())
-    for name in MODEL_FILES:
+    names = MODEL_FILES
+    if is_vision_config(read_config(str(root))):
+        import mlx_vlm
+
+        h.update(f"mlx-vlm={mlx_vlm.__version__}".encode())
+        names = MODEL_FILES + VISION_FILES
+    for name in names:
         p = root / name
         if p.is_file():
             h.update(name.encode() + p.read_bytes())
