@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from batchrun.engine.tokens import SharedStarts
+
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -20,6 +22,10 @@ class PromptBuilder:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self._bos = getattr(tokenizer, "bos_token", None)
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self._chat_tokens = SharedStarts(
+            lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
+            [t.content for t in added.values() if getattr(t, "special", False)])
 
     def encode(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str):
@@ -52,8 +58,7 @@ class PromptBuilder:
             raise PromptError(f"messages: the chat template failed: {e}") from e
 
     def encode_chat(self, messages: list[dict], **kwargs: Any) -> list[int]:
-        text = self.render(messages, **kwargs)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self._chat_tokens(self.render(messages, **kwargs))
 
 
 def normalize_messages(messages: Any) -> list[dict]:
