@@ -7,16 +7,16 @@ OUT=${OUT:-/tmp/out}
 MODEL=/tmp/l1b
 [ -f $MODEL/config.json ] || python3 -m batchrun.models.build $MODEL --shape llama-1b \
     > $OUT/build.log 2>&1
-python3 scripts/profile_labeling.py $OUT/profile --model $MODEL --rows 512 --max-tokens 8 \
+[ -n "$ONLY_WHOLE" ] || python3 scripts/profile_labeling.py $OUT/profile --model $MODEL --rows 512 --max-tokens 8 \
     --variants "${VARIANTS:-default,unbounded,step256}" --profile > $OUT/profile.log 2>&1
 tail -5 $OUT/profile.log
 python3 scripts/bench_labeling.py $OUT/whole --model $MODEL --rows 512 --instruction 1000 \
-    --max-tokens 8 --concurrency 512 --systems batchrun,peer > $OUT/whole.log 2>&1
+    --max-tokens 8 --concurrency 512 --systems ${WHOLE_SYSTEMS:-batchrun,peer} > $OUT/whole.log 2>&1
 tail -8 $OUT/whole.log
-python3 -m cProfile -o $OUT/run.prof -m batchrun run $OUT/whole/rows.jsonl --quiet \
+[ -n "$ONLY_WHOLE" ] || python3 -m cProfile -o $OUT/run.prof -m batchrun run $OUT/whole/rows.jsonl --quiet \
     --max-tokens 8 --model $MODEL --job-dir $OUT/job-profiled \
     --cache-dir $OUT/whole/cache-batchrun > $OUT/run-profiled.log 2>&1
-python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumtime').print_stats(70)" \
+[ -n "$ONLY_WHOLE" ] || python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumtime').print_stats(70)" \
     $OUT/run.prof > $OUT/run-profile.txt
 rm -f $OUT/run.prof
 [ -n "$SKIP_DECODE" ] || python3 -m batchrun bench --model $MODEL --workload short --rows 512 --max-tokens 256 \
