@@ -82,13 +82,18 @@ def _show_warnings() -> None:
               help="job state folder [default: jobs/<input file stem>]")
 @click.option("--max-concurrency", type=click.IntRange(min=1), default=None,
               help="most sequences decoding at once [default: chosen from memory]")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+              help="most tokens generated a row (a row's own max_tokens wins)")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="sampling temperature; 0 is greedy (a row's own wins)")
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0,
-              show_default=True)
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)
+              show_default=True, help="sample from the smallest set of tokens with this much "
+              "probability; 1 is off")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
+              help="sample from the k likeliest tokens; 0 is off")
 @click.option("--min-p", type=click.FloatRange(0, 1, max_open=True), default=0.0,
-              show_default=True)
+              show_default=True, help="drop tokens less likely than this times the likeliest; "
+              "0 is off")
 @click.option("--seed", type=int, default=None,
               help="base seed: a sampled row without its own seed gets one from this and its "
                    "position")
@@ -135,7 +140,8 @@ def _show_warnings() -> None:
 @click.option("--prefill-batch-size", type=click.IntRange(min=1), default=None,
               help="most rows prefilled together (default: as many as fit the device's "
                    "prefill token budget)")
-@click.option("--prefill-step-size", type=click.IntRange(min=1), default=2048, show_default=True)
+@click.option("--prefill-step-size", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="prompt tokens a row computes per forward pass while prefilling")
 @click.option("--cache-dir", type=click.Path(path_type=Path), default=None,
               envvar="BATCHRUN_CACHE_DIR",
               help="prefix-cache folder [default: $BATCHRUN_CACHE_DIR or ~/.cache/batchrun]")
@@ -402,9 +408,12 @@ def _read_job(job_dir: Path) -> tuple[dict, dict | None]:
               default="mixed", show_default=True,
               help="short: 16-32 prompt tokens; mixed: 8-1,500 prompt and 16-256 new tokens; "
                    "mixed512: 8-512 prompt tokens; labeling: a shared 1,000-token prefix")
-@click.option("--rows", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--max-concurrency", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--rows", type=click.IntRange(min=1), default=64, show_default=True,
+              help="rows in the workload")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="new tokens a row (workloads without their own)")
+@click.option("--max-concurrency", type=click.IntRange(min=1), default=64, show_default=True,
+              help="rows decoded together, for every system")
 @click.option("--systems", default="sequential,batch_generate,batchrun,prefix",
               show_default=True,
               help="comma-separated: sequential, batch_generate, hand_cached (batch_generate "

@@ -123,3 +123,15 @@ def test_defaults_come_from_the_environment_and_the_command_line_wins(tmp_path, 
     result = CliRunner().invoke(cli, ["run", str(data), "--job-dir", str(tmp_path / "bad"),
                                       "--quiet"])
     assert result.exit_code != 0 and "no-such-model" in result.output
+
+
+def test_every_option_of_every_command_has_help_text():
+    import click
+
+    missing = []
+    for name, command in cli.commands.items():
+        commands = command.commands.values() if isinstance(command, click.Group) else [command]
+        for c in commands:
+            missing += [f"{name} {c.name} {p.opts[0]}" for p in c.params
+                        if isinstance(p, click.Option) and not p.help and not p.hidden]
+    assert not missing, missing
