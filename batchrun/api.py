@@ -35,6 +35,7 @@ class Engine:
         return load_engine(model, config or EngineConfig(**engine_options), vision)
 
 
+INPUT_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".parquet")
 # Output suffixes that promise a format batchrun does not write (anything else is JSONL).
 OTHER_FORMATS = frozenset({".gz", ".bz2", ".xz", ".zst", ".zip", ".csv", ".tsv", ".json",
                            ".xlsx", ".arrow", ".feather"})
@@ -125,6 +126,29 @@ class Job:
 
         check_paths(self.spec)
 
+    def finished(self):
+        """The job folder's durable progress when this same job (input and options; checked
+        by `check`) already has a record for every row, so nothing is left to run; else None.
+        Needs no model."""
+        from batchrun.job.state import DamagedFile, JobState
+
+        spec = self.spec
+        if spec.restart or not (spec.job_dir / "job.json").is_file():
+            return None
+        try:
+            progress = JobState(spec.job_dir, spec.results_path, spec.errors_path).saved()
+        except DamagedFile:
+            return None  # the run's recovery says what is wrong
+        if progress is None or progress.next_index < spec.rows_total or progress.spill_bytes:
+            return None
+        for path, size in ((spec.results_path, progress.results_bytes),
+                           (spec.errors_path, progress.errors_bytes)):
+            if size and (not path.is_file() or path.stat().st_size < size):
+                return None  # a file was cut or removed: the run mends it
+        if spec.parquet_output and not spec.output.is_file():
+            return None
+        return progress
+
     def prepare(self) -> None:
         """Check the paths and load the model (or start the Ray runner)."""
         self.check()
@@ -166,6 +190,10 @@ def _plan(input_path: Path, o: RunOptions):
 
     if not input_path.is_file():
         raise UsageError(f"input file not found: {input_path}")
+    if not input_path.name.lower().endswith(INPUT_SUFFIXES):
+        raise UsageError(f"{input_path}: batchrun reads JSONL ({', '.join(INPUT_SUFFIXES[:-1])}) "
+                         f"or Parquet (.parquet), and job files (.toml); rename the file if it "
+                         "holds one JSON object a line")
     if o.prompt_template is not None and not o.prompt_template.strip():
         raise UsageError("--prompt-template must not be empty")
     constraint = _constraint(o)

@@ -204,6 +204,16 @@ def _run(ctx: click.Context, input_path: Path, opts: dict) -> None:
         job.check()  # before the model loads
     except JobError as e:
         raise _fail(str(e), code=e.exit_code) from None
+    done = job.finished()
+    if done is not None:
+        click.echo(f"already complete: {done.rows_done:,} rows done, {done.rows_failed:,} "
+                   f"failed; nothing to run (--restart runs it again)", err=True)
+        click.echo(f"results:    {spec.output}", err=True)
+        if done.rows_failed:
+            click.echo(f"errors:     {spec.errors_path}", err=True)
+        if fail_on_row_errors and done.rows_failed:
+            ctx.exit(ROWS_FAILED)
+        return
     _prepare(job, debug)
     runner, engine = job.runner, job.engine
     resume = resume_command(sys.argv[2:])

@@ -4,6 +4,7 @@ import shutil
 from pathlib import Path
 
 import orjson
+import pytest
 from click.testing import CliRunner
 
 from batchrun.cli import cli
@@ -135,3 +136,52 @@ def test_every_option_of_every_command_has_help_text():
             missing += [f"{name} {c.name} {p.opts[0]}" for p in c.params
                         if isinstance(p, click.Option) and not p.help and not p.hidden]
     assert not missing, missing
+
+
+@pytest.mark.parametrize("name", ["notes.txt", "rows.csv", "rows.json"])
+def test_an_input_of_another_format_is_a_usage_error_before_the_model_loads(tmp_path, name):
+    data = tmp_path / name
+    data.write_text('{"prompt": "hi"}\n')
+    result = CliRunner().invoke(cli, ["run", str(data), "--job-dir", str(tmp_path / "job"),
+                                      "--model", str(tmp_path / "no-model"), "--quiet"])
+    assert result.exit_code == 2, result.output
+    assert ".jsonl" in result.output and ".parquet" in result.output
+    assert not (tmp_path / "job" / "results.jsonl").exists()
+
+
+def test_ndjson_input_is_read_as_jsonl(tmp_path):
+    from helpers import jsonl as read_jsonl
+    from helpers import run as run_cli
+
+    data = tmp_path / "rows.ndjson"
+    data.write_text('{"prompt": "hi", "max_tokens": 2}\n')
+    run_cli(data, "--job-dir", tmp_path / "job")
+    assert len(read_jsonl(tmp_path / "job" / "results.jsonl")) == 1
+
+
+def test_a_finished_job_says_already_complete_without_loading_the_model(tmp_path, monkeypatch):
+    from helpers import jsonl as read_jsonl
+    from helpers import run as run_cli
+    from helpers import write_rows as rows_file
+
+    import batchrun.api
+
+    data = rows_file(tmp_path / "rows.jsonl", [{"prompt": "fine", "max_tokens": 2},
+                                               {"prompt": "", "max_tokens": 2}])
+    job = tmp_path / "job"
+    run_cli(data, "--job-dir", job)
+    before = (job / "results.jsonl").read_bytes()
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(batchrun.api, "load_engine", no_model)
+    result = run_cli(data, "--job-dir", job)
+    assert "already complete: 1 rows done, 1 failed" in result.output
+    run_cli(data, "--job-dir", job, "--fail-on-row-errors", code=3)
+    assert (job / "results.jsonl").read_bytes() == before
+    monkeypatch.undo()
+    (job / "results.jsonl").unlink()  # a damaged job is not complete: the run mends it
+    result = run_cli(data, "--job-dir", job)
+    assert "already complete" not in result.output
+    assert len(read_jsonl(job / "results.jsonl")) == 1

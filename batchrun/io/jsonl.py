@@ -33,7 +33,7 @@ class InputError(Exception):
 
 def open_binary(path: str | Path):
     path = Path(path)
-    if path.name.endswith(".gz"):
+    if path.name.lower().endswith(".gz"):
         return gzip.open(path, "rb")
     return open(path, "rb")
 

@@ -27,6 +27,7 @@ import pyarrow.parquet as pq
 
 from batchrun.io.jsonl import InputError, read_jsonl
 from batchrun.io.parquet import BATCH_ROWS  # rows per row group: the most rows held at once
+from batchrun.io.readers import is_parquet
 
 RESULT_COLUMNS = (
     ("text", pa.string()),
@@ -66,7 +67,7 @@ class ParquetOutput:
         self.tmp: Path | None = None  # created with the first row group
         self._tmp_file: IO[bytes] | None = None
         _remove_stale_partials(self.out)
-        if Path(input_path).name.endswith(".parquet"):
+        if is_parquet(input_path):
             self._input: _ParquetRows | _JsonlRows = _ParquetRows(Path(input_path))
         else:
             self._input = _JsonlRows(Path(input_path))

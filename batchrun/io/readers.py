@@ -10,7 +10,7 @@ from batchrun.io.parquet import count_parquet, read_parquet
 
 
 def is_parquet(path: Path) -> bool:
-    return Path(path).name.endswith(".parquet")
+    return Path(path).name.lower().endswith(".parquet")
 
 
 def count_rows(path: Path) -> int:
