@@ -130,21 +130,25 @@ class Job:
         """The job folder's durable progress when this same job (input and options; checked
         by `check`) already has a record for every row, so nothing is left to run; else None.
         Needs no model."""
-        from batchrun.job.state import DamagedFile, JobState
+        from batchrun.job.state import DamagedFile, JobState, read_json
 
         spec = self.spec
         if spec.restart or not (spec.job_dir / "job.json").is_file():
             return None
         try:
             progress = JobState(spec.job_dir, spec.results_path, spec.errors_path).saved()
+            if read_json(spec.job_dir / "report.json") is None:
+                return None  # a run writes it
         except DamagedFile:
-            return None  # the run's recovery says what is wrong
-        if progress is None or progress.next_index < spec.rows_total or progress.spill_bytes:
+            return None  # the run's recovery says what is wrong, and rewrites it
+        total = spec.rows_total
+        if progress is None or progress.spill_bytes or progress.next_index != total \
+                or progress.rows_done + progress.rows_failed != total:
             return None
         for path, size in ((spec.results_path, progress.results_bytes),
                            (spec.errors_path, progress.errors_bytes)):
-            if size and (not path.is_file() or path.stat().st_size < size):
-                return None  # a file was cut or removed: the run mends it
+            if (path.stat().st_size if path.is_file() else 0) != size:
+                return None  # the files and state.json disagree: the run's recovery mends it
         if spec.parquet_output and not spec.output.is_file():
             return None
         return progress

@@ -58,16 +58,20 @@ def cli() -> None:
 
 
 class _EchoHandler(logging.Handler):
-    """batchrun's warnings as one line each on stderr (the progress bar's stream)."""
+    """batchrun's notices and warnings as one line each on stderr (the progress bar's
+    stream)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        click.echo(f"warning: {record.getMessage()}", err=True)
+        prefix = "warning: " if record.levelno >= logging.WARNING else ""
+        click.echo(prefix + record.getMessage(), err=True)
 
 
 def _show_warnings() -> None:
     logger = logging.getLogger("batchrun")
+    if logger.level == logging.NOTSET or logger.level > logging.INFO:
+        logger.setLevel(logging.INFO)
     if not any(isinstance(h, _EchoHandler) for h in logger.handlers):
-        logger.addHandler(_EchoHandler(logging.WARNING))
+        logger.addHandler(_EchoHandler(logging.INFO))
 
 
 @cli.command()

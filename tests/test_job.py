@@ -68,9 +68,14 @@ def test_rerun_resumes_and_a_finished_job_is_not_recomputed(rows_file, tmp_path)
     first = (job / "results.jsonl").read_bytes()
     result = run(rows_file, "--job-dir", job)
     assert (job / "results.jsonl").read_bytes() == first
+    assert "already complete: 30 rows done, 0 failed" in result.output
     report = orjson.loads((job / "report.json").read_bytes())
-    assert len(report["runs"]) == 2 and report["runs"][1]["rows_done"] == 0
-    assert "30 done" in result.output
+    assert len(report["runs"]) == 1  # nothing ran: no model loaded, no run added
+    lines = first.splitlines(keepends=True)
+    (job / "results.jsonl").write_bytes(b"".join(lines[:10]))  # as if stopped after 10 rows
+    result = run(rows_file, "--job-dir", job)
+    assert "resuming: 10 of 30 rows done (0 failed), 20 to go" in result.output
+    assert (job / "results.jsonl").read_bytes() == first
 
 
 def test_changed_input_or_options_are_refused_unless_restart(rows_file, tmp_path):

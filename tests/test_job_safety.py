@@ -365,8 +365,9 @@ def test_a_copied_or_moved_job_folder_resumes_without_computing_again(tmp_path):
         out = run(rows, "--job-dir", folder)
         assert "warning" not in out.output
         assert (folder / "results.jsonl").read_bytes() == results
+        assert "already complete: 12 rows done" in out.output  # nothing computed again
         report = orjson.loads((folder / "report.json").read_bytes())
-        assert report["runs"][-1]["rows_done"] == 0 and report["rows_done"] == 12
+        assert len(report["runs"]) == 1 and report["rows_done"] == 12
 
 
 def test_an_output_whose_job_folder_was_deleted_says_how_to_adopt_it(tmp_path):

@@ -362,6 +362,11 @@ class JobRunner(RowWork):
             log.warning("%s: %s; resuming from what the files hold", spec.job_dir,
                         "; ".join(recovery.problems))
         self._spilled = recovery.spilled
+        p = recovery.progress
+        if p.rows_done + p.rows_failed:
+            log.info("resuming: %s of %s rows done (%s failed), %s to go",
+                     f"{p.rows_done + p.rows_failed:,}", f"{self.rows_total:,}",
+                     f"{p.rows_failed:,}", f"{self.rows_total - p.rows_done - p.rows_failed:,}")
         if spec.parquet_output:
             try:
                 self._parquet = ParquetOutput(spec.input, spec.output, spec.results_path,
