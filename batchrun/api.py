@@ -127,20 +127,26 @@ class Job:
         check_paths(self.spec)
 
     def finished(self):
-        """The job folder's durable progress when this same job (input and options; checked
-        by `check`) already has a record for every row, so nothing is left to run; else None.
-        Needs no model."""
+        """The job folder's durable progress when this same job (input and options: `check`;
+        the model's files: fingerprinted, not loaded) already has a record for every row, so
+        nothing is left to run; else None."""
         from batchrun.job.state import DamagedFile, JobState, read_json
+        from batchrun.models import local_path, model_fingerprint
 
         spec = self.spec
         if spec.restart or not (spec.job_dir / "job.json").is_file():
             return None
         try:
             progress = JobState(spec.job_dir, spec.results_path, spec.errors_path).saved()
+            saved = read_json(spec.job_dir / "job.json")
             if read_json(spec.job_dir / "report.json") is None:
                 return None  # a run writes it
-        except DamagedFile:
+            if saved["model"]["fingerprint"] != model_fingerprint(local_path(self.options.model)):
+                return None  # other weights: the run refuses the job, saying so
+        except (DamagedFile, KeyError, TypeError):
             return None  # the run's recovery says what is wrong, and rewrites it
+        except Exception:  # the model cannot be found here: loading it says why
+            return None
         total = spec.rows_total
         if progress is None or progress.spill_bytes or progress.next_index != total \
                 or progress.rows_done + progress.rows_failed != total:
