@@ -92,3 +92,26 @@ def test_top_level_enable_thinking_reaches_the_chat_template(tmp_path):
     prompt_tokens = {r["custom_id"]: r["usage"]["prompt_tokens"]
                      for r in jsonl(job / "results.jsonl")}
     assert prompt_tokens["True"] != prompt_tokens["False"]
+
+
+def test_every_openai_rows_error_has_the_batch_error_file_shape(tmp_path):
+    """Errors found while reading the row and errors from the engine look alike."""
+    def line(name, body):
+        return {"custom_id": name, "method": "POST", "url": "/v1/chat/completions",
+                "body": body}
+
+    rows = [line("parse", {"messages": "not a list"}),
+            line("field", {"messages": [{"role": "user", "content": "hi"}], "echo": True}),
+            line("engine", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                            "logit_bias": {"99999": 1}}),
+            line("parse", {"messages": [{"role": "user", "content": "hi"}]}),  # a duplicate id
+            {"custom_id": "plain", "prompt": ""}]
+    job = tmp_path / "job"
+    run(write_rows(tmp_path / "rows.jsonl", rows), "--job-dir", job)
+    errors = jsonl(job / "errors.jsonl")
+    assert len(errors) == 5
+    for record in errors[:4]:
+        assert set(record) == {"id", "custom_id", "index", "line", "response", "error"}
+        assert record["response"] is None and record["id"].startswith("batch_req_")
+        assert set(record["error"]) == {"code", "message"}
+    assert set(errors[4]) == {"custom_id", "index", "line", "error"}  # not a batch line

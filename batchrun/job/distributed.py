@@ -37,7 +37,7 @@ from typing import Any
 
 from batchrun.engine.request import EngineConfig, EngineStats
 from batchrun.io.jsonl import RawRow
-from batchrun.job.rows import RowError
+from batchrun.job.rows import RowError, is_openai_line
 from batchrun.job.runner import (
     COMMIT_INTERVAL_S,
     JobError,
@@ -384,7 +384,7 @@ class RayJobRunner(JobRunner):
             if raw.error is None:
                 duplicate = self._check_id(raw)
                 if duplicate is not None:
-                    self._write_error(duplicate, sink, openai=False)
+                    self._write_error(duplicate, sink, openai=duplicate.openai)
                     bar.update(1)
                     continue
             rows.append(raw)
@@ -410,7 +410,7 @@ class RayJobRunner(JobRunner):
                 pickle.dumps([raw], protocol=pickle.HIGHEST_PROTOCOL)  # at the depth it goes
             except UNSENDABLE as e:
                 self._write_error(_not_sendable(raw, self._expected_id(raw), e), sink,
-                                  openai=False)
+                                  openai=is_openai_line(raw.value))
                 bar.update(1)
             else:
                 sendable.append(raw)

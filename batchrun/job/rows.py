@@ -96,6 +96,12 @@ class RowError:
     custom_id: str
     code: str
     message: str
+    openai: bool = False  # an OpenAI batch line: its record takes the batch error-file shape
+
+
+def is_openai_line(value: Any) -> bool:
+    """A row shaped as a line of an OpenAI batch file (however malformed inside)."""
+    return isinstance(value, dict) and ("body" in value or "url" in value)
 
 
 class RowRejected(Exception):
@@ -149,16 +155,17 @@ def row_id(value: Any, index: int, id_column: str | None) -> str:
 def build_task(raw_value: Any, index: int, line: int, prompts: PromptBuilder,
                options: RowOptions) -> Task | RowError:
     custom_id = row_id(raw_value, index, options.id_column)
+    openai = is_openai_line(raw_value)
     try:
         return _build(raw_value, index, line, custom_id, prompts, options)
     except RowRejected as e:
-        return RowError(index, line, custom_id, e.code, str(e))
+        return RowError(index, line, custom_id, e.code, str(e), openai)
     except PromptError as e:
-        return RowError(index, line, custom_id, "invalid_prompt", str(e))
+        return RowError(index, line, custom_id, "invalid_prompt", str(e), openai)
     except (TypeError, ValueError, AttributeError, KeyError) as e:
         # A shape no check above foresaw: still this row's error, never the job's.
         return RowError(index, line, custom_id, "invalid_row",
-                        f"the row could not be read ({type(e).__name__}: {e})")
+                        f"the row could not be read ({type(e).__name__}: {e})", openai)
 
 
 def _build(value: Any, index: int, line: int, custom_id: str, prompts: PromptBuilder,

@@ -36,7 +36,15 @@ from batchrun.job import report as rp
 from batchrun.job.feeder import Feeder
 from batchrun.job.records import error_record, result_record
 from batchrun.job.recovery import recover
-from batchrun.job.rows import RowError, RowOptions, Task, build_task, explicit_id, row_id
+from batchrun.job.rows import (
+    RowError,
+    RowOptions,
+    Task,
+    build_task,
+    explicit_id,
+    is_openai_line,
+    row_id,
+)
 from batchrun.job.sink import OrderedSink, Record, commit
 from batchrun.job.state import DamagedFile, JobLock, JobState, Progress
 
@@ -234,7 +242,7 @@ class RowWork:
 
     def _submit(self, item: Task | RowError, sink, bar) -> None:
         if isinstance(item, RowError):
-            self._write_error(item, sink, openai=False)
+            self._write_error(item, sink, openai=item.openai)
             bar.update(1)
             return
         self._samples[item.index] = [None] * item.n
@@ -493,7 +501,7 @@ class JobRunner(RowWork):
             return None
         return RowError(raw.index, raw.line, custom_id, "duplicate_custom_id",
                         f"custom_id {custom_id!r} is already used by the row on line {first}: "
-                        "give every row its own id")
+                        "give every row its own id", is_openai_line(raw.value))
 
     def pending_rows(self, start: int) -> Iterator[RawRow]:
         """The input rows from `start` on that have no record yet (spilled rows are done)."""
