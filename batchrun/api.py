@@ -16,6 +16,7 @@ from typing import Any
 
 from batchrun.engine.load import load_engine
 from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.models import MissingExtra  # re-exported: the CLI catches it
 
 _SAMPLING = SamplingParams()
 
@@ -43,10 +44,6 @@ OTHER_FORMATS = frozenset({".gz", ".bz2", ".xz", ".zst", ".zip", ".csv", ".tsv",
 
 class UsageError(ValueError):
     """An option that cannot work (the command line's exit 2); the message names it."""
-
-
-class MissingExtra(RuntimeError):
-    """An option needs a package that is not installed; the message says how to install it."""
 
 
 @dataclass(slots=True)
@@ -295,7 +292,9 @@ def _ray_runner(job: Job):
     try:
         import ray  # noqa: F401
     except ImportError:
-        raise MissingExtra("--ray needs Ray: pip install 'batchrun[ray]'") from None
+        from batchrun.job.distributed import ray_missing
+
+        raise MissingExtra(ray_missing()) from None
     from batchrun.job.distributed import RayJobRunner, RayOptions
     from batchrun.models import is_vision_config, local_path, model_fingerprint, read_config
 

@@ -301,4 +301,5 @@ def test_ray_flag_without_ray_installed_says_how_to_install_it(tmp_path, monkeyp
     rows = rows_file(tmp_path / "rows.jsonl", 12)
     result = CliRunner().invoke(cli, ["run", str(rows), "--ray", "local", "--quiet"])
     assert result.exit_code == 1
-    assert "pip install 'batchrun[ray]'" in result.output
+    assert "pip install -e '.[ray]'" in result.output  # as the README says
+    assert "--model" not in result.output  # no unrelated hint

@@ -256,3 +256,13 @@ def test_image_rows_choice_probs_come_from_their_own_image(vlm):
     assert a is not None and set(a) == {"red", "blue", "dark"}
     assert any(abs(a[c] - b[c]) > 1e-4 for c in a)  # another image, other probabilities
     assert all(abs(a[c] - again[c]) < 1e-4 for c in a)  # the same image, the same ones
+
+
+def test_a_vision_model_without_mlx_vlm_says_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "mlx_vlm", None)  # import mlx_vlm fails
+    rows = write_rows(tmp_path / "rows.jsonl", [{"prompt": "hi", "max_tokens": 2}])
+    result = CliRunner().invoke(cli, ["run", str(rows), "--model", str(MODEL), "--job-dir",
+                                      str(tmp_path / "job"), "--quiet"])
+    assert result.exit_code == 1
+    assert "pip install -e '.[vision]'" in result.output  # as the README says
+    assert "--model" not in result.output  # no unrelated hint

@@ -20,7 +20,7 @@ record per row. So the guarantees are the single machine's:
 
 Ray's own checkpointing (Ray Data's CheckpointConfig) keys on row ids and writes unordered part
 files; the job folder's commit protocol already gives ordered, exactly-once output, so it is
-kept. Ray is optional: `pip install 'batchrun[ray]'`.
+kept. Ray is optional: `pip install -e '.[ray]'`.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from batchrun.job.runner import (
     JobSpec,
     RowWork,
 )
+from batchrun.models import extra_hint
 
 SLICE_ROWS = 64  # rows per slice
 MIN_IN_FLIGHT = 2  # slices an actor holds at once, their rows in one running batch
@@ -54,7 +55,7 @@ UNSENDABLE = (RecursionError, pickle.PicklingError, TypeError, ValueError, Overf
 
 
 def ray_missing() -> str:
-    return "--ray needs Ray: pip install 'batchrun[ray]'"
+    return f"--ray needs Ray: {extra_hint('ray')}"
 
 
 @dataclass(slots=True)

@@ -49,6 +49,15 @@ class ModelError(ValueError):
     """The model cannot be loaded; the message says why and what to pass instead."""
 
 
+class MissingExtra(ModelError):
+    """An optional dependency is not installed; the message says how to add it."""
+
+
+def extra_hint(extra: str) -> str:
+    """How to install one of batchrun's extras, as the README says it."""
+    return f"pip install -e '.[{extra}]' in batchrun's folder"
+
+
 def check_local(path: str) -> None:
     """Clear errors for local folders, before mlx-lm treats a bad path as a hub id."""
     p = Path(path).expanduser()
@@ -111,7 +120,7 @@ def load_vision_model(model: str) -> LoadedModel:
     try:
         from mlx_vlm import load
     except ImportError:
-        raise ModelError("vision models need mlx-vlm: pip install 'batchrun[vision]'") from None
+        raise MissingExtra(f"vision models need mlx-vlm: {extra_hint('vision')}") from None
     path = local_path(model)
     m, processor = load(path)
     config = read_config(path)
@@ -156,9 +165,13 @@ def model_fingerprint(model_path: str) -> str:
         h.update(f"revision={root.name}".encode())
     names = MODEL_FILES
     if is_vision_config(read_config(str(root))):
-        import mlx_vlm
+        try:
+            import mlx_vlm
 
-        h.update(f"mlx-vlm={mlx_vlm.__version__}".encode())
+            vlm = mlx_vlm.__version__
+        except ImportError:  # loading it says how to install it
+            vlm = "absent"
+        h.update(f"mlx-vlm={vlm}".encode())
         names = MODEL_FILES + VISION_FILES
     for name in names:
         p = root / name
