@@ -212,9 +212,7 @@ def _run(ctx: click.Context, input_path: Path, opts: dict) -> None:
     if done is not None:
         click.echo(f"already complete: {done.rows_done:,} rows done, {done.rows_failed:,} "
                    f"failed; nothing to run (--restart runs it again)", err=True)
-        click.echo(f"results:    {spec.output}", err=True)
-        if done.rows_failed:
-            click.echo(f"errors:     {spec.errors_path}", err=True)
+        _say_where(spec, done.rows_failed)
         if fail_on_row_errors and done.rows_failed:
             ctx.exit(ROWS_FAILED)
         return
@@ -239,27 +237,30 @@ def _run(ctx: click.Context, input_path: Path, opts: dict) -> None:
     click.echo(rp.summary_text(report), err=True)
     if runner.deduplicated:
         click.echo(f"identical rows computed once: {runner.deduplicated:,} reused", err=True)
-    click.echo(f"results:    {spec.output}", err=True)
-    if report["rows_failed"]:
-        click.echo(f"errors:     {spec.errors_path}", err=True)
+    _say_where(spec, report["rows_failed"])
     click.echo(f"report:     {job_dir / 'report.html'}", err=True)
     if job.options.ray_address:
         for w in report.get("workers", []):
             click.echo(f"worker {w['actor']}: {w['rows']:,} rows in {w['slices']} slices, "
                        f"{w['completion_tokens_per_s']:,.1f} tok/s busy ({w['node']}, "
                        f"pid {w['pid']}{', died' if not w['alive'] else ''})", err=True)
-        if fail_on_row_errors and report["rows_failed"]:
-            ctx.exit(ROWS_FAILED)
-        return
-    cache_stats = engine.get_cache_stats()
-    if cache_stats and (cache_stats["hits"] or cache_stats["stored_blocks"]):
-        click.echo(f"prefix cache: {cache_stats['hit_tokens']:,} prompt tokens reused "
-                   f"({cache_stats['hits']:,} hits, {cache_stats['misses']:,} misses, "
-                   f"{cache_stats['disk_loaded_blocks']:,} blocks from disk"
-                   + (f", {cache_stats['disk_skipped']:,} damaged entries removed"
-                      if cache_stats["disk_skipped"] else "") + ")", err=True)
+    else:
+        cache_stats = engine.get_cache_stats()
+        if cache_stats and (cache_stats["hits"] or cache_stats["stored_blocks"]):
+            click.echo(f"prefix cache: {cache_stats['hit_tokens']:,} prompt tokens reused "
+                       f"({cache_stats['hits']:,} hits, {cache_stats['misses']:,} misses, "
+                       f"{cache_stats['disk_loaded_blocks']:,} blocks from disk"
+                       + (f", {cache_stats['disk_skipped']:,} damaged entries removed"
+                          if cache_stats["disk_skipped"] else "") + ")", err=True)
     if fail_on_row_errors and report["rows_failed"]:
         ctx.exit(ROWS_FAILED)
+
+
+def _say_where(spec, failed: int) -> None:
+    """Where the job's records are."""
+    click.echo(f"results:    {spec.output}", err=True)
+    if failed:
+        click.echo(f"errors:     {spec.errors_path}", err=True)
 
 
 def _prepare(job, debug: bool) -> None:

@@ -30,7 +30,8 @@ MAX_SCORE_ELEMENTS = 1 << 24
 # A prefix part with more scores than this (a prefill's) is evaluated chunk by chunk, in chunks
 # of EVAL_CHUNK_ELEMENTS: MLX's lazy graph would otherwise hold every chunk's scores at once
 # (measured on the H200: 15.8 GiB peak for 512 rows under a 1,000-token prefix, the weights 2.5;
-# 8.5 GiB evaluated in 16M-score chunks, whose 640 syncs cost ~0.5 s). Decode steps stay below.
+# 8.6-8.7 GiB in 32M-score chunks; 128M-score chunks were ~0.25 s faster at 0.9 GiB more, 16M
+# ones slower at the same memory). Decode steps stay below it.
 EVAL_CHUNKS_ABOVE = 1 << 26
 EVAL_CHUNK_ELEMENTS = 1 << 25
 # On the CPU, prefix parts with at least this many scores go through NumPy (_attend_prefix_host);

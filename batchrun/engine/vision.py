@@ -248,12 +248,14 @@ class VisionBackend:
             return f"the model could not read this row's images: {type(e).__name__}: {e}"
         return None
 
-    def _row_kwargs(self, seq: Sequence) -> dict:
-        """The row's input embeddings (kept until it is inserted)."""
+    def _row_kwargs(self, seq: Sequence, keep: bool = True) -> dict:
+        """The row's input embeddings; with `keep`, kept until it is inserted."""
         kwargs = self._kwargs.get(seq.id)
         if kwargs is None:
-            inputs = seq.inputs if seq.inputs is not None else VisionInputs(seq.prompt)
-            kwargs = self._kwargs[seq.id] = self._embed(inputs)
+            kwargs = self._embed(seq.inputs if seq.inputs is not None else
+                                 VisionInputs(seq.prompt))
+            if keep:
+                self._kwargs[seq.id] = kwargs
         return kwargs
 
     def _warm_start(self, seq: Sequence, blocks: list[Block], kwargs: dict) -> tuple | None:
@@ -345,8 +347,7 @@ class VisionBackend:
         if not self.warm_starts:
             raise ValueError("this model's rows run without the prefix cache")
         # Not kept for the row: it may be aborted while it waits, and nothing would drop them.
-        inputs = seq.inputs if seq.inputs is not None else VisionInputs(seq.prompt)
-        kwargs = self._kwargs.get(seq.id) or self._embed(inputs)
+        kwargs = self._row_kwargs(seq, keep=False)
         caches = PrefixCache.to_kv_caches(blocks, KVCache) if blocks else \
             make_prompt_cache(self.kv_model)
         done = caches[0].offset
