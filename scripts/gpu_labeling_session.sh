@@ -16,8 +16,11 @@ tail -8 $OUT/whole.log
 [ -n "$ONLY_WHOLE" ] || python3 -m cProfile -o $OUT/run.prof -m batchrun run $OUT/whole/rows.jsonl --quiet \
     --max-tokens 8 --model $MODEL --job-dir $OUT/job-profiled \
     --cache-dir $OUT/whole/cache-batchrun > $OUT/run-profiled.log 2>&1
-[ -n "$ONLY_WHOLE" ] || python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumtime').print_stats(70)" \
-    $OUT/run.prof > $OUT/run-profile.txt
+[ -n "$ONLY_WHOLE" ] || python3 -c "
+import pstats, sys
+s = pstats.Stats(sys.argv[1])
+s.sort_stats('cumtime').print_stats('batchrun|mlx_lm', 90)
+s.sort_stats('tottime').print_stats(40)" $OUT/run.prof > $OUT/run-profile.txt
 rm -f $OUT/run.prof
 [ -n "$SKIP_DECODE" ] || python3 -m batchrun bench --model $MODEL --workload short --rows 512 --max-tokens 256 \
     --max-concurrency 512 --systems prefix,prefix_copies --json $OUT/decode.json \

@@ -1,6 +1,7 @@
 """Dirty input and fatal problems: every row accounted for once, clear errors, no tracebacks."""
 
 import errno
+import threading
 from pathlib import Path
 
 import orjson
@@ -121,26 +122,63 @@ def test_disk_full_stops_cleanly_and_the_rerun_completes(tmp_path, monkeypatch):
                                           "custom_id": f"r{i}"}).decode() + "\n"
                             for i in range(40)))
     job = tmp_path / "job"
-    real_sync = OrderedSink.sync
+    real_fsync = OrderedSink.fsync
     calls = {"n": 0}
 
-    def full_disk(self):
+    def full_disk(self, pending):  # the first commit works, the next meet a full disk
         calls["n"] += 1
         if calls["n"] >= 2:
             raise OSError(errno.ENOSPC, "No space left on device", str(job / "results.jsonl"))
-        return real_sync(self)
+        return real_fsync(self, pending)
 
     monkeypatch.setattr("batchrun.job.runner.COMMIT_INTERVAL_S", 0.0)
-    monkeypatch.setattr(OrderedSink, "sync", full_disk)
+    monkeypatch.setattr(OrderedSink, "fsync", full_disk)
     result = invoke("run", rows, "--job-dir", job, "--max-tokens", "4", "--quiet")
     assert result.exit_code == 1
     assert "No space left on device" in result.output and "resume with" in result.output
     assert "Traceback" not in result.output
-    monkeypatch.setattr(OrderedSink, "sync", real_sync)
+    monkeypatch.setattr(OrderedSink, "fsync", real_fsync)
     result = invoke("run", rows, "--job-dir", job, "--max-tokens", "4", "--quiet")
     assert result.exit_code == 0, result.output
     results = jsonl(job / "results.jsonl")
     assert [r["custom_id"] for r in results] == [f"r{i}" for i in range(40)]
+
+
+def test_a_slow_disk_does_not_stall_the_engine(tmp_path, monkeypatch):
+    """A commit's fsyncs run beside the engine: rows go on finishing while one is in flight."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(orjson.dumps({"prompt": f"row {i} " * (1 + i % 4),
+                                          "custom_id": f"r{i}"}).decode() + "\n"
+                            for i in range(48)))
+    job = tmp_path / "job"
+    real_fsync, real_put = OrderedSink.fsync, OrderedSink.put
+    seen = {"puts": 0, "during_commit": 0, "blocked": False}
+    all_finished = threading.Event()
+
+    def put(self, *args, **kwargs):
+        real_put(self, *args, **kwargs)
+        seen["puts"] += 1
+        seen["during_commit"] += seen["blocked"]
+        if seen["puts"] == 48:
+            all_finished.set()
+
+    def slow_fsync(self, pending):  # the first mid-run commit lasts until every row finished
+        if not seen["blocked"] and seen["puts"] < 48:
+            seen["blocked"] = True
+            all_finished.wait(timeout=60)
+            seen["blocked"] = False
+        return real_fsync(self, pending)
+
+    monkeypatch.setattr("batchrun.job.runner.COMMIT_INTERVAL_S", 0.0)
+    monkeypatch.setattr(OrderedSink, "fsync", slow_fsync)
+    monkeypatch.setattr(OrderedSink, "put", put)
+    result = invoke("run", rows, "--job-dir", job, "--max-tokens", "4", "--max-concurrency", "4",
+                    "--quiet")
+    assert result.exit_code == 0, result.output
+    assert all_finished.is_set() and seen["during_commit"] > 0
+    assert [r["custom_id"] for r in jsonl(job / "results.jsonl")] == [f"r{i}" for i in range(48)]
+    state = orjson.loads((job / "state.json").read_bytes())
+    assert state["next_index"] == 48 and state["spill_bytes"] == 0
 
 
 # -- property tests of the readers ------------------------------------------------------------

@@ -141,6 +141,21 @@ def test_disk_cap_evicts_least_recently_used(tmp_path):
     assert list(index) == [first.key.hex()]
 
 
+def test_a_block_another_process_saves_is_found_after_the_listing_delay(tmp_path, monkeypatch):
+    """Loads look entries up in a listing of the folder (misses cost no file open); a block that
+    another job writes later is used once the listing is read again."""
+    layout = BlockLayout(1, 1, 2, "F32")
+    reader = DiskCache.open(tmp_path, FP, 4, layout)
+    writer = DiskCache.open(tmp_path, FP, 4, layout)
+    k = mx.ones((1, 1, 4, 2))
+    block = Block(block_keys([1, 2, 3, 4], 4, reader.root)[0], reader.root, (1, 2, 3, 4), [k], [k])
+    assert reader.load(block.key) is None  # the listing is taken now, without the block
+    writer.save([block])
+    assert writer.load(block.key).tokens == (1, 2, 3, 4)  # its own saves are listed at once
+    monkeypatch.setattr("batchrun.cache.disk.LISTING_TTL_S", 0.0)
+    assert reader.load(block.key).tokens == (1, 2, 3, 4)
+
+
 def write_rows(path: Path, n: int) -> Path:
     path.write_text("".join(orjson.dumps({"custom_id": f"r{i}", "messages": m,
                                           "max_tokens": 6}).decode() + "\n"

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from batchrun.io.jsonl import read_jsonl
 from batchrun.job.recovery import recover
 from batchrun.job.rows import row_id
-from batchrun.job.sink import OrderedSink, commit
+from batchrun.job.sink import OrderedSink, commit, make_durable
 from batchrun.job.state import JobState
 
 
@@ -71,7 +71,12 @@ EDITS = ("none", "state_next_up", "state_next_down", "state_bytes_up", "state_ga
 def test_resume_after_any_kill_and_edit_gives_the_uninterrupted_files(n, data):
     order = data.draw(st.permutations(range(n)), label="completion order")
     killed_after = data.draw(st.integers(0, n), label="rows finished before the kill")
-    commits = data.draw(st.lists(st.booleans(), min_size=n, max_size=n), label="commit after")
+    # After each row: no commit, a commit, or the start of a background commit (snapshot now,
+    # disk work and settling at the next commit point, while rows go on being written).
+    commits = data.draw(st.lists(st.sampled_from(("none", "commit", "begin")), min_size=n,
+                                 max_size=n), label="commit after")
+    in_flight_at_kill = data.draw(st.sampled_from(("lost", "durable", "settled")),
+                                  label="a background commit at the kill")
     edit = data.draw(st.sampled_from(EDITS), label="edit")
     amount = data.draw(st.integers(1, 400), label="edit amount")
     with tempfile.TemporaryDirectory() as tmp:
@@ -91,16 +96,27 @@ def test_resume_after_any_kill_and_edit_gives_the_uninterrupted_files(n, data):
         state = JobState(job / "job", job / "job" / "r.jsonl", job / "job" / "e.jsonl")
         sink = OrderedSink(state.results_path, state.errors_path, state.spill_path,
                            resume(job, state, input_path).progress)
+        pending = None
         for step, i in enumerate(order[:killed_after]):
             put(sink, i)
-            if commits[step]:
+            if pending is not None and commits[step] != "none":
+                make_durable(sink, state, pending)
+                sink.settle(pending)
+                pending = None
+            if commits[step] == "commit":
                 commit(sink, state)
+            elif commits[step] == "begin":
+                pending = sink.flush()
+        if pending is not None and in_flight_at_kill != "lost":
+            make_durable(sink, state, pending)
+            if in_flight_at_kill == "settled":
+                sink.settle(pending)
         sink.sync()
         sink.close()
         tamper(state, edit, amount)
 
         found, final = finish(job, state, input_path, n)
-        if edit == "none" and (killed_after == 0 or commits[killed_after - 1]):
+        if edit == "none" and (killed_after == 0 or commits[killed_after - 1] == "commit"):
             # Killed right after a commit: the files are what state.json says, so the resume
             # finds nothing to warn about (the spill may still hold rows written in order since).
             assert found.problems == []

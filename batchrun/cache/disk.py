@@ -50,6 +50,10 @@ DEFAULT_CAP_BYTES = 8 * 2**30
 SUFFIX = ".safetensors"
 INDEX, LOCK = "index.json", "index.lock"
 MAX_INDEX_BYTES = 64 * 2**20
+# A load first looks the entry up in a listing of the folder, read again when older than this:
+# most lookups miss (a row's own blocks), and a miss that opens a file cost milliseconds on a
+# network disk. Blocks another process adds appear within this delay.
+LISTING_TTL_S = 5.0
 _ENTRY = re.compile(r"[0-9a-f]{32}\.safetensors")
 
 
@@ -75,6 +79,8 @@ class DiskCache:
                       "kv_heads": str(layout.kv_heads), "head_dim": str(layout.head_dim),
                       "dtype": layout.dtype}
         self._max_file_bytes = layout.block_bytes(block_size) + 2**20  # tensors + any header
+        self._listing: set[str] | None = None
+        self._listed_at = 0.0
 
     @classmethod
     def open(cls, cache_dir: Path, model_fingerprint: str, block_size: int,
@@ -113,6 +119,8 @@ class DiskCache:
     def load(self, key: bytes) -> Block | None:
         """The block stored under `key`, or None if absent or not trustworthy."""
         name = _file_name(key)
+        if not self._listed(name):
+            return None
         try:
             data = self.files.read(name, self._max_file_bytes)
             if data is None:
@@ -129,6 +137,19 @@ class DiskCache:
         except OSError as e:  # a read-only cache still serves its blocks
             self._io_warning("mark as used an entry of", e)
         return block
+
+    def _listed(self, name: str) -> bool:
+        """Whether `name` may be in the folder (True when it cannot be listed)."""
+        now = time.monotonic()
+        if self._listing is None or now - self._listed_at > LISTING_TTL_S:
+            try:
+                self._listing = self.files.names()
+            except OSError as e:
+                self._io_warning("list", e)
+                self._listing = None
+                return True
+            self._listed_at = now
+        return name in self._listing
 
     def stored_keys(self) -> list[bytes]:
         """Keys of the stored blocks, least recently used first (unverified: `load` checks)."""
@@ -185,6 +206,8 @@ class DiskCache:
             except OSError as e:  # a full or read-only cache never stops a job
                 self._io_warning("write to", e)
                 continue
+            if self._listing is not None:
+                self._listing.add(_file_name(block.key))
             written[block.key.hex()] = {"bytes": len(data), "tokens": self.block_size,
                                         "used": time.time()}
             self.saved += 1

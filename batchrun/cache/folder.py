@@ -110,6 +110,10 @@ class PrivateFolder:
         finally:
             os.close(fd)
 
+    def names(self) -> set[str]:
+        """The names in the folder, whatever they are (one directory read, no stat calls)."""
+        return set(os.listdir(self.fd))
+
     def entries(self) -> dict[str, os.stat_result]:
         """The regular files of the folder, by name (links and everything else left out)."""
         out = {}

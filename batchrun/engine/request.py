@@ -43,6 +43,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    # A thinking model's reasoning block ends after at most this many tokens (None: unbounded);
+    # a constraint applies to the answer after it (engine/reasoning.py).
+    max_thinking_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
@@ -68,6 +71,9 @@ class SamplingParams:
         _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and _finite(b)
                    and -100 <= b <= 100 for t, b in self.logit_bias), "logit_bias",
                dict(self.logit_bias), "token ids mapped to numbers in [-100, 100]")
+        _check(self.max_thinking_tokens is None
+               or (type(self.max_thinking_tokens) is int and self.max_thinking_tokens >= 0),
+               "max_thinking_tokens", self.max_thinking_tokens, "an integer >= 0")
         _check(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)
                and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                f"an integer in [0, max_tokens = {self.max_tokens}]")

@@ -437,10 +437,8 @@ class RayJobRunner(JobRunner):
         w.completion_tokens = figures["completion_tokens"]
         w.busy_s = figures["prefill_time"] + figures["decode_time"]
 
-    def _commit(self, sink, runs, started, wall, status) -> None:
-        super()._commit(sink, runs, started, wall, status)
-        self.report["workers"] = [w.as_dict() for w in self.workers]
-        self.report["runs"][-1]["workers"] = self.report["workers"]
-        from batchrun.job import report as rp
-
-        rp.write_report(self.spec.job_dir, self.report, html_too=status != "running")
+    def _snapshot(self, sink, runs, started, wall, status):
+        pending, report = super()._snapshot(sink, runs, started, wall, status)
+        report["workers"] = [w.as_dict() for w in self.workers]
+        report["runs"][-1]["workers"] = report["workers"]
+        return pending, report

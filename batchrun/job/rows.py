@@ -65,6 +65,8 @@ class RowOptions:
     media_roots: tuple[Path, ...] = ()
     allow_private_urls: bool = False
     media_timeout: float = 30.0  # io.media.MEDIA_TIMEOUT
+    # --served-model-name: the names an OpenAI row's body.model may give (empty: any).
+    served_model_names: tuple[str, ...] = ()
 
 
 @dataclass(slots=True)

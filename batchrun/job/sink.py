@@ -116,35 +116,73 @@ class OrderedSink:
         return not self._held and self.progress.spill_bytes > 0
 
     def sync(self) -> Progress:
-        """Flush and fsync the files that grew since the last sync (an fsync can take a
-        quarter of a second on a network disk); returns the progress that is now durable."""
-        p = self.progress
-        sizes = (p.results_bytes, p.errors_bytes, p.spill_bytes)
-        for i, f in enumerate((self._results, self._errors, self._spill)):
+        """Flush and fsync the files that grew since the last sync; returns the progress that
+        is now durable."""
+        pending = self.flush()
+        self.fsync(pending)
+        return dataclasses.replace(pending.progress)
+
+    def flush(self) -> PendingCommit:
+        """Hand what was written to the OS and take a snapshot of the progress it makes; the
+        snapshot becomes durable with `fsync` (which may run on another thread while rows go on
+        being written)."""
+        for f in (self._results, self._errors, self._spill):
             f.flush()
+        return PendingCommit(dataclasses.replace(self.progress), self.spill_drained)
+
+    def fsync(self, pending: PendingCommit) -> None:
+        """fsync the files that grew since the last sync (an fsync can take a quarter of a
+        second on a network disk)."""
+        p = pending.progress
+        sizes = (p.results_bytes, p.errors_bytes, pending.spilled_bytes)
+        for i, f in enumerate((self._results, self._errors, self._spill)):
             if self._synced is None or sizes[i] != self._synced[i]:
                 os.fsync(f.fileno())
         self._synced = sizes
-        return dataclasses.replace(p)
+
+    def settle(self, pending: PendingCommit) -> None:
+        """After `pending` is recorded in state.json: empty the spill if that commit recorded it
+        as empty and nothing was spilled since."""
+        if pending.spill_emptied and self.progress.spill_bytes == pending.spilled_bytes:
+            self.empty_spill()
 
     def empty_spill(self) -> None:
         """Cut the spill to nothing (after a commit that recorded it as empty)."""
         self._spill.truncate(0)
         self.progress.spill_bytes = 0
+        if self._synced is not None:  # the cut is made durable by the next fsync
+            self._synced = (*self._synced[:2], -1)
 
     def close(self) -> None:
         for f in (self._results, self._errors, self._spill):
             f.close()
 
 
+@dataclass(slots=True)
+class PendingCommit:
+    """A snapshot of a sink's progress on its way into state.json. When no row was held the
+    spill is recorded as empty (state.json first says so, so cutting it afterwards is safe)."""
+
+    progress: Progress
+    spill_emptied: bool
+    spilled_bytes: int = 0  # the spill's size at the snapshot
+
+    def __post_init__(self) -> None:
+        self.spilled_bytes = self.progress.spill_bytes
+        if self.spill_emptied:
+            self.progress.spill_bytes = 0
+
+
 def commit(sink: OrderedSink, state: JobState) -> Progress:
-    """Make everything the sink wrote durable and record it in state.json; empty the spill
-    once no row is held (state.json first says it is empty, so a crash in between is safe)."""
-    progress = sink.sync()
-    drained = sink.spill_drained
-    if drained:
-        progress.spill_bytes = 0
-    state.commit(progress)
-    if drained:
-        sink.empty_spill()
-    return progress
+    """Make everything the sink wrote durable and record it in state.json, on this thread."""
+    pending = sink.flush()
+    make_durable(sink, state, pending)
+    sink.settle(pending)
+    return pending.progress
+
+
+def make_durable(sink: OrderedSink, state: JobState, pending: PendingCommit) -> None:
+    """fsync the sink's files, then record the snapshot in state.json (the part of a commit
+    that waits for the disk, and may run on a thread of its own)."""
+    sink.fsync(pending)
+    state.commit(pending.progress)
