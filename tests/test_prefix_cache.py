@@ -156,6 +156,27 @@ def test_a_block_another_process_saves_is_found_after_the_listing_delay(tmp_path
     assert reader.load(block.key).tokens == (1, 2, 3, 4)
 
 
+def test_blocks_read_together_are_each_checked(tmp_path):
+    """A prompt's blocks are read from disk on several threads; each is still verified on its
+    own: a damaged one is dropped (and removed) without costing its neighbours."""
+    disk = DiskCache.open(tmp_path, FP, 4, BlockLayout(1, 1, 2, "F32"))
+    keys = block_keys(list(range(12)), 4, disk.root)
+    parents = [disk.root, *keys[:-1]]
+    blocks = [Block(keys[i], parents[i], tuple(range(4 * i, 4 * i + 4)),
+                    [mx.full((1, 1, 4, 2), float(i))], [mx.full((1, 1, 4, 2), -float(i))])
+              for i in range(3)]
+    disk.save_later(blocks)
+    disk.flush()
+    middle = disk.folder / f"{keys[1].hex()}.safetensors"
+    middle.write_bytes(middle.read_bytes()[:-8])
+    absent = block_keys(list(range(16)), 4, disk.root)[3]
+    found = DiskCache.open(tmp_path, FP, 4, BlockLayout(1, 1, 2, "F32")).load_many(
+        [*keys, absent])
+    assert found[keys[0]].tokens == (0, 1, 2, 3) and found[keys[2]].tokens == (8, 9, 10, 11)
+    assert mx.array_equal(found[keys[2]].values[0], blocks[2].values[0])
+    assert found[keys[1]] is None and found[absent] is None and not middle.exists()
+
+
 def write_rows(path: Path, n: int) -> Path:
     path.write_text("".join(orjson.dumps({"custom_id": f"r{i}", "messages": m,
                                           "max_tokens": 6}).decode() + "\n"

@@ -48,6 +48,12 @@ def decode(data: bytes, expect: dict[str, tuple[tuple[int, ...], str]]
            ) -> tuple[dict[str, mx.array], dict[str, str]]:
     """The arrays and metadata of a block file holding exactly the tensors `expect` names, each
     with the given (shape, dtype); raises BlockFormatError otherwise."""
+    return arrays_of(verify(data, expect))
+
+
+def verify(data: bytes, expect: dict[str, tuple[tuple[int, ...], str]]) -> Verified:
+    """Check a block file (layout and checksum) without building arrays: plain bytes work that
+    may run on any thread (hashing releases the GIL). Raises BlockFormatError."""
     if len(data) < 8:
         raise BlockFormatError("shorter than its header length")
     n = int.from_bytes(data[:8], "little")
@@ -67,13 +73,27 @@ def decode(data: bytes, expect: dict[str, tuple[tuple[int, ...], str]]
     stored = dict(meta)
     if stored.pop("checksum", None) != _checksum(stored, header, body):
         raise BlockFormatError("checksum mismatch")
+    return Verified(header, meta, body)
+
+
+class Verified:
+    """A block file that passed `verify`: its tensor table, metadata and tensor bytes."""
+
+    __slots__ = ("table", "meta", "body")
+
+    def __init__(self, table: dict, meta: dict[str, str], body: memoryview):
+        self.table, self.meta, self.body = table, meta, body
+
+
+def arrays_of(block: Verified) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """The arrays of a verified block file, and its metadata."""
     arrays = {}
-    for name, entry in header.items():
+    for name, entry in block.table.items():
         start, end = entry["data_offsets"]
-        raw = mx.array(np.frombuffer(body[start:end], dtype=np.uint8))
+        raw = mx.array(np.frombuffer(block.body[start:end], dtype=np.uint8))
         arrays[name] = mx.view(raw, DTYPES[entry["dtype"]]).reshape(entry["shape"])
     mx.eval(arrays)
-    return arrays, meta
+    return arrays, block.meta
 
 
 def _check_table(table: dict, expect: dict[str, tuple[tuple[int, ...], str]],

@@ -106,6 +106,9 @@ class PrefixCache:
     stats: CacheStats = field(default_factory=CacheStats)
     # Called for blocks that are not in memory: returns the block from disk, or None.
     fallback: Callable[[bytes], Block | None] | None = None
+    # Called with the keys of a prompt's blocks that are not in memory: their blocks from disk
+    # (None where absent), read together; replaces `fallback` in `match`.
+    prefetch: Callable[[list[bytes]], dict[bytes, Block | None]] | None = None
     # Called with the blocks each store() added: writes them to disk.
     on_store: Callable[[list[Block]], None] | None = None
     disk: object | None = None  # the DiskCache behind fallback / on_store, if any
@@ -117,8 +120,11 @@ class PrefixCache:
     def match(self, tokens: list[int], keys: list[bytes] | None = None) -> list[Block]:
         """The longest run of cached blocks that prefixes `tokens` (confirmed token by token)."""
         found = []
-        for i, key in enumerate(keys if keys is not None else self.keys_for(tokens)):
-            block = self._get(key)
+        keys = keys if keys is not None else self.keys_for(tokens)
+        if self.prefetch is not None:
+            self._load(keys)
+        for i, key in enumerate(keys):
+            block = self._get(key, disk=self.prefetch is None)
             span = tuple(tokens[i * self.block_size: (i + 1) * self.block_size])
             if block is None or block.tokens != span:
                 break
@@ -133,12 +139,33 @@ class PrefixCache:
         else:
             self.stats.misses += 1
 
-    def _get(self, key: bytes) -> Block | None:
+    def _load(self, keys: list[bytes]) -> None:
+        """Bring the stored blocks of a chain of keys into memory, up to the first one that is
+        neither in memory nor on disk."""
+        missing = [k for k in keys if k not in self.blocks]
+        if not missing:
+            return
+        loaded = self.prefetch(missing)
+        for key in keys:
+            if key in self.blocks:
+                continue
+            block = loaded.get(key)
+            if block is None:
+                return
+            self.stats.disk_loaded_blocks += 1
+            self.put(block)
+
+    def flush(self) -> None:
+        """Wait until the blocks handed to the disk are written."""
+        if self.disk is not None:
+            self.disk.flush()
+
+    def _get(self, key: bytes, disk: bool = True) -> Block | None:
         block = self.blocks.get(key)
         if block is not None:
             self.blocks.move_to_end(key)
             return block
-        if self.fallback is not None:
+        if disk and self.fallback is not None:
             block = self.fallback(key)
             if block is not None:
                 self.stats.disk_loaded_blocks += 1

@@ -212,6 +212,8 @@ class Engine(Requests, CacheControl):
                 self._account(prompt_work, len(steps), time.perf_counter() - start)
         finished, self._finished = self._finished, []
         self.stats.requests_finished += len(finished)
+        if not self.has_work() and self.prefix_cache is not None:
+            self.prefix_cache.flush()  # idle: the blocks saved on the writer thread are on disk
         return finished
 
     def _admit(self) -> None:
@@ -326,6 +328,8 @@ class Engine(Requests, CacheControl):
                                         self.generated_tokens, self.num_running))
 
     def close(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.flush()
         self.backend.close()
 
 
