@@ -2,6 +2,7 @@
 an error naming the field: never silently answered as if it were absent."""
 
 import mlx.core as mx
+import orjson
 import pytest
 from helpers import jsonl, run, write_rows
 
@@ -115,3 +116,19 @@ def test_every_openai_rows_error_has_the_batch_error_file_shape(tmp_path):
         assert record["response"] is None and record["id"].startswith("batch_req_")
         assert set(record["error"]) == {"code", "message"}
     assert set(errors[4]) == {"custom_id", "index", "line", "error"}  # not a batch line
+
+
+def test_the_report_counts_the_models_rows_asked_for_and_bodies_name_the_one_that_answered(
+        tmp_path):
+    def row(i, model):
+        return {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": model, "max_tokens": 2,
+                         "messages": [{"role": "user", "content": f"row {i}"}]}}
+
+    rows = write_rows(tmp_path / "rows.jsonl",
+                      [row(0, "gpt-4o-mini"), row(1, "gpt-4o-mini"), row(2, "llama")])
+    run(rows, "--job-dir", tmp_path / "job")
+    report = orjson.loads((tmp_path / "job" / "report.json").read_bytes())
+    assert report["models_requested"] == {"gpt-4o-mini": 2, "llama": 1}
+    answered = {r["response"]["body"]["model"] for r in jsonl(tmp_path / "job" / "results.jsonl")}
+    assert answered == {report["model"]}

@@ -23,6 +23,8 @@ import llguidance.numpy as llg_numpy
 import mlx.core as mx
 import numpy as np
 
+from batchrun.engine.reasoning import ThinkingGate
+
 # Compact JSON, no free whitespace: a weak model cannot wander off into blank space.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -145,8 +147,9 @@ class Grammars:
             self._templates[constraint] = template
         return template.deep_copy()
 
-    def processor(self, constraint: Constraint) -> GrammarProcessor:
-        return GrammarProcessor(self.matcher(constraint), self)
+    def processor(self, constraint: Constraint, gate: ThinkingGate | None = None
+                  ) -> GrammarProcessor:
+        return GrammarProcessor(self.matcher(constraint), self, gate)
 
     def token_bytes(self, token: int) -> bytes:
         return self.tokenizer.decode_bytes([token])
@@ -156,6 +159,9 @@ class Grammars:
         bitmask = llg_numpy.allocate_token_bitmask(len(processors), self.vocab_size)
         llg_numpy.fill_next_token_bitmask_par(
             self._executor, [(p.matcher, i) for i, p in enumerate(processors)], bitmask)
+        for i, p in enumerate(processors):
+            if p.gate is not None and not p.gate.answering:
+                p.gate.widen(bitmask.view(np.uint32)[i])
         return apply_bitmask(logits, bitmask)
 
 
@@ -171,16 +177,19 @@ class GrammarProcessor:
     """A row's grammar state. Called once per generated token, before sampling: it first
     consumes the token sampled last (none before the first), then masks the logits."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, grammars: Grammars):
+    def __init__(self, matcher: llguidance.LLMatcher, grammars: Grammars,
+                 gate: ThinkingGate | None = None):
         self.matcher = matcher
         self.grammars = grammars
+        self.gate = gate  # a reasoning block first: the grammar starts after it
         self.started = False
-        self.consumed = 0  # generated tokens the matcher has consumed
+        self.consumed = 0  # generated tokens seen (the grammar's and the reasoning's)
 
     def advance(self, last_token: int) -> None:
         """Consume the token sampled at the previous step (a no-op before the first)."""
         if self.started:
-            self.matcher.consume_token(last_token)
+            if self.gate is None or self.gate.see(last_token):
+                self.matcher.consume_token(last_token)
             self.consumed += 1
         self.started = True
 
@@ -196,7 +205,8 @@ class GrammarProcessor:
     @property
     def complete(self) -> bool:
         """The answer so far is a whole match (it may stop here)."""
-        return self.matcher.is_accepting() and not self.matcher.is_error()
+        return (self.gate is None or self.gate.answering) and self.matcher.is_accepting() \
+            and not self.matcher.is_error()
 
     @property
     def error(self) -> str | None:

@@ -31,6 +31,7 @@ from batchrun.engine.constrain import ConstraintError, Grammars, choice_token_id
 from batchrun.engine.memory import MemoryBudget, kv_budget, measure_kv
 from batchrun.engine.postprocess import Step, StopScanner, make_output, record_logprobs
 from batchrun.engine.prefix_plan import PrefixNeeded
+from batchrun.engine.reasoning import Markup, ThinkingBudget, ThinkingGate
 from batchrun.engine.request import (
     EngineConfig,
     EngineStats,
@@ -79,6 +80,7 @@ class Engine(Requests, CacheControl):
                                    self.config.prefill_batch_size)
         self.prefix_cache = prefix_cache
         self._grammars: Grammars | None = None
+        self._markup: Markup | None = None
         self._ids = itertools.count()
         self._finished: list[Output] = []
         self.stats = EngineStats()
@@ -128,9 +130,10 @@ class Engine(Requests, CacheControl):
         """Queue a request from token ids (and what the backend needs besides); its id."""
         seq = Sequence(next(self._ids), list(prompt), params, params.max_tokens, inputs,
                        media=inputs.media if inputs is not None else ())
+        seq.thinking_opened = self.markup.opens_thinking(seq.prompt)
         constraint = params.constraint
         if constraint is not None and constraint.kind == "choices" and \
-                self.backend.scores_choices:
+                self.backend.scores_choices and not self._reasons_first(seq):
             # Picked from the choices' probabilities right after the prompt (choices.py); a
             # second step keeps the row in the batch until its prompt cache is read.
             seq.max_tokens = 2
@@ -144,6 +147,28 @@ class Engine(Requests, CacheControl):
         else:
             self.scheduler.add(seq)
         return seq.id
+
+    @property
+    def markup(self) -> Markup:
+        """The tokenizer's reasoning and tool-call markup."""
+        if self._markup is None:
+            self._markup = Markup.of(self.tokenizer)
+        return self._markup
+
+    def _reasons_first(self, seq: Sequence) -> bool:
+        """A constrained row that reasons before its answer (the constraint starts after)."""
+        return seq.params.thinking or seq.thinking_opened
+
+    def _thinking_gate(self, seq: Sequence) -> ThinkingGate | None:
+        """The gate of a row whose reasoning block is watched: a constrained row that reasons
+        first, or any row with a thinking budget (single-token markers only)."""
+        m, p = self.markup, seq.params
+        if m.think_start_id is None or m.think_end_id is None:
+            return None
+        if (p.constraint is not None and self._reasons_first(seq)) or \
+                (p.constraint is None and p.max_thinking_tokens is not None):
+            return ThinkingGate(m, p.max_thinking_tokens, seq.thinking_opened)
+        return None
 
     def _stop_scanner(self, params: SamplingParams) -> StopScanner | None:
         return StopScanner(self.backend.detokenizer(), params.stop) if params.stop else None
@@ -246,8 +271,11 @@ class Engine(Requests, CacheControl):
                 self._finish(seq, FinishReason.ERROR, error=error)
                 continue
             constraint = seq.params.constraint
+            gate = self._thinking_gate(seq)  # fresh, also on a rerun
             if constraint is not None and seq.choice_tokens is None:
-                seq.processor = self.grammars.processor(constraint)  # fresh, also on a rerun
+                seq.processor = self.grammars.processor(constraint, gate)
+            elif gate is not None:
+                seq.thinking_budget = ThinkingBudget(gate)
             ready.append((seq, blocks))
         if not ready:
             return

@@ -86,4 +86,5 @@ def make_output(seq: Sequence, reason: FinishReason, decode, error: str | None =
         constraint_complete=(seq.processor.complete if seq.processor
                              else True if seq.answer is not None else None),
         choice_logprobs=seq.choice_logprobs,
+        thinking_opened=seq.thinking_opened,
     )

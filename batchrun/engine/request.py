@@ -46,6 +46,9 @@ class SamplingParams:
     # A thinking model's reasoning block ends after at most this many tokens (None: unbounded);
     # a constraint applies to the answer after it (engine/reasoning.py).
     max_thinking_tokens: int | None = None
+    # The row asked its template for a reasoning block (enable_thinking): a constrained answer
+    # may reason first, and the constraint applies after the block.
+    thinking: bool = False
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
@@ -120,6 +123,7 @@ class Output:
     # was cut short, e.g. by max_tokens); with choices, log P(choice | prompt) for each.
     constraint_complete: bool | None = None
     choice_logprobs: dict[str, float] | None = None
+    thinking_opened: bool = False  # the prompt ended inside a reasoning block (reasoning.py)
 
     @property
     def completion_tokens(self) -> int:

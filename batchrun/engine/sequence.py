@@ -49,6 +49,10 @@ class Sequence:
     choice_tokens: list[list[int]] | None = None
     choice_logprobs: dict[str, float] | None = None
     answer: str | None = None
+    # Reasoning (reasoning.py): the prompt ends inside a block; the gate of a constrained or
+    # budgeted row (None: the row has none).
+    thinking_opened: bool = False
+    thinking_budget: Any = None  # reasoning.ThinkingBudget of an unconstrained row
 
     @property
     def length(self) -> int:
@@ -68,4 +72,5 @@ class Sequence:
         self.top_logprobs = [] if self.params.top_logprobs else None
         self.stops = stops
         self.processor, self.choice_logprobs, self.answer = None, None, None
+        self.thinking_budget = None
         self.cached = 0

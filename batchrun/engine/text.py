@@ -95,6 +95,8 @@ class TextBackend:
         """The row's logits processors: penalties and bias first, then its grammar."""
         processors = [LogitAdjustments(seq.params, self.eos)] if seq.params.adjusts_logits \
             else []
+        if seq.thinking_budget is not None:
+            processors.append(seq.thinking_budget)
         return processors + ([seq.processor] if seq.processor else [])
 
     def _row_cache(self, blocks: list[Block]) -> list | None:

@@ -15,28 +15,35 @@ import hashlib
 from collections.abc import Callable
 
 from batchrun.engine.choices import normalized
+from batchrun.engine.reasoning import Markup, ToolCall, parse_tool_calls, split_reasoning
 from batchrun.engine.request import Output
 from batchrun.job.rows import RowError, Task
 
 TokenBytes = Callable[[int], bytes]  # a token id's bytes in the model's vocabulary
+NO_MARKUP = Markup()
 
 
 def result_record(task: Task, outs: list[Output], model: str, created: int,
-                  token_bytes: TokenBytes) -> dict:
+                  token_bytes: TokenBytes, markup: Markup = NO_MARKUP) -> dict:
     if task.openai:
-        return openai_record(task, outs, model, created, token_bytes)
+        return openai_record(task, outs, model, created, token_bytes, markup)
     first = outs[0]
+    reasoning, text, calls = answer_parts(task, first, markup)
     record = {
         "custom_id": task.custom_id,
         "index": task.index,
-        "text": first.text,
-        "finish_reason": first.finish_reason.value,
+        "text": text,
+        "finish_reason": "tool_calls" if calls else first.finish_reason.value,
         "usage": {
             "prompt_tokens": first.prompt_tokens,
             "completion_tokens": sum(o.completion_tokens for o in outs),
             "cached_tokens": first.cached_tokens,
         },
     }
+    if reasoning is not None:
+        record["reasoning"] = reasoning
+    if calls:
+        record["tool_calls"] = [{"name": c.name, "arguments": c.arguments} for c in calls]
     if first.choice_logprobs is not None:
         record["choice_probs"] = normalized(first.choice_logprobs)
     if first.logprobs is not None:
@@ -44,13 +51,31 @@ def result_record(task: Task, outs: list[Output], model: str, created: int,
     if len(outs) > 1:
         samples = []
         for o in outs:
-            sample = {"text": o.text, "finish_reason": o.finish_reason.value,
+            reasoning, text, calls = answer_parts(task, o, markup)
+            sample = {"text": text,
+                      "finish_reason": "tool_calls" if calls else o.finish_reason.value,
                       "completion_tokens": o.completion_tokens}
+            if reasoning is not None:
+                sample["reasoning"] = reasoning
+            if calls:
+                sample["tool_calls"] = [{"name": c.name, "arguments": c.arguments}
+                                        for c in calls]
             if o.logprobs is not None:
                 sample["logprobs"] = chat_logprobs(o, token_bytes)
             samples.append(sample)
         record["samples"] = samples
     return record
+
+
+def answer_parts(task: Task, out: Output, markup: Markup
+                 ) -> tuple[str | None, str, list[ToolCall]]:
+    """(reasoning, answer, tool calls) of a chat row's output; a raw prompt's text stays whole
+    (it has no template that reasons or calls tools)."""
+    if not task.chat:
+        return None, out.text, []
+    reasoning, answer = split_reasoning(out.text, markup, out.thinking_opened)
+    answer, calls = parse_tool_calls(answer, markup, task.tools)
+    return reasoning, answer, calls
 
 
 def _entry(token: int, logprob: float, token_bytes: TokenBytes) -> dict:
@@ -90,9 +115,10 @@ def _hash_id(*parts: object) -> str:
 
 
 def openai_record(task: Task, outs: list[Output], model: str, created: int,
-                  token_bytes: TokenBytes) -> dict:
+                  token_bytes: TokenBytes, markup: Markup = NO_MARKUP) -> dict:
     """A line of the OpenAI Batch API's output file, with a chat.completion or text_completion
-    (one choice per sample)."""
+    (one choice per sample). `model` is the model that answered (body.model is what the row
+    asked for: the report counts those)."""
     key = _hash_id(created, task.index, task.custom_id)
     first = outs[0]
     completion = sum(o.completion_tokens for o in outs)
@@ -106,8 +132,17 @@ def openai_record(task: Task, outs: list[Output], model: str, created: int,
     for i, out in enumerate(outs):
         if task.openai == "chat":
             logprobs = chat_logprobs(out, token_bytes) if out.logprobs is not None else None
-            choice = {"index": i, "message": {"role": "assistant", "content": out.text},
-                      "logprobs": logprobs, "finish_reason": out.finish_reason.value}
+            reasoning, content, calls = answer_parts(task, out, markup)
+            message = {"role": "assistant", "content": content or (None if calls else "")}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
+            if calls:
+                message["tool_calls"] = [
+                    {"id": f"call_{_hash_id(key, i, j)}", "type": "function",
+                     "function": {"name": c.name, "arguments": c.arguments}}
+                    for j, c in enumerate(calls)]
+            choice = {"index": i, "message": message, "logprobs": logprobs,
+                      "finish_reason": "tool_calls" if calls else out.finish_reason.value}
         else:
             logprobs = completion_logprobs(out, token_bytes) if out.logprobs is not None else None
             choice = {"index": i, "text": out.text, "logprobs": logprobs,
@@ -119,7 +154,7 @@ def openai_record(task: Task, outs: list[Output], model: str, created: int,
         body = {"id": f"chatcmpl-{key}", "object": "chat.completion"}
     else:
         body = {"id": f"cmpl-{key}", "object": "text_completion"}
-    body |= {"created": created, "model": task.model or model, "choices": choices,
+    body |= {"created": created, "model": model, "choices": choices,
              "usage": usage}
     return {
         "id": f"batch_req_{key}",

@@ -31,7 +31,8 @@ from batchrun.engine.request import SamplingParams
 OPENAI_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                    "logprobs", "top_logprobs", "stop_token_ids", "presence_penalty",
-                   "frequency_penalty", "repetition_penalty", "min_tokens")
+                   "frequency_penalty", "repetition_penalty", "min_tokens",
+                   "max_thinking_tokens")
 # OpenAI / vLLM request fields batchrun cannot honour: a row that sets one (to other than its
 # no-op value) is that row's error, never silently answered as if it had not.
 UNSUPPORTED = {
@@ -80,6 +81,8 @@ class Task:
     model: str | None = None  # the `body.model` of an OpenAI batch row
     n: int = 1  # samples; sample i > 0 samples with a seed derived from the row's (sample_params)
     vision: Any = None  # engine.vision.VisionInputs for a row with images (a vision model)
+    tools: list | None = None  # the tools the row offered (its tool calls are parsed)
+    chat: bool = True  # a chat-templated prompt (a raw `prompt` is not): reasoning is parsed
 
     def sample_params(self) -> list[SamplingParams]:
         """One SamplingParams per sample: sample 0 is the row's own, the others get distinct
@@ -200,9 +203,28 @@ def _build(value: Any, index: int, line: int, custom_id: str, prompts: PromptBui
         # A seed from the job's base seed and the row's position: the same row samples the
         # same text on every run, resumed or not, whatever else shares its batch.
         params = dataclasses.replace(params, seed=row_seed(index, options.defaults.seed or 0))
-    ids, vision = _prompt_ids(body, openai, prompts, options, value)
+    if _asks_thinking(body):
+        params = dataclasses.replace(params, thinking=True)
     model = body.get("model") if openai else None
-    return Task(index, line, custom_id, ids, params, openai, model, n, vision)
+    if model is not None and not isinstance(model, str):
+        raise RowRejected("invalid_field", "body.model must be a string")
+    if model is not None and options.served_model_names \
+            and model not in options.served_model_names:
+        raise RowRejected("model_not_found",
+                          f"body.model {model!r} is not served here: this job serves "
+                          f"{', '.join(map(repr, options.served_model_names))}")
+    ids, vision = _prompt_ids(body, openai, prompts, options, value)
+    tools = body.get("tools") if body.get("tool_choice") != "none" else None
+    raw_prompt = openai == "completion" or (openai is None and "prompt" in body)
+    return Task(index, line, custom_id, ids, params, openai, model, n, vision,
+                tools if isinstance(tools, list) and tools else None, chat=not raw_prompt)
+
+
+def _asks_thinking(body: dict) -> bool:
+    """enable_thinking: true, at the top level (vLLM) or in chat_template_kwargs."""
+    kwargs = body.get("chat_template_kwargs")
+    return body.get("enable_thinking") is True or (
+        isinstance(kwargs, dict) and kwargs.get("enable_thinking") is True)
 
 
 GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")

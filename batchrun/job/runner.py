@@ -16,7 +16,7 @@ import os
 import signal
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,6 +238,7 @@ class RowWork:
         self._request_key: dict[int, bytes] = {}
         self._done: OrderedDict[bytes, Output] = OrderedDict()
         self.deduplicated = 0
+        self.models_requested: Counter[str] = Counter()  # OpenAI rows' body.model, answered
 
     def _build_task(self, raw: RawRow) -> Task | RowError:
         return build_task(raw.value, raw.index, raw.line, self.engine.prompts, self.row_options)
@@ -294,7 +295,10 @@ class RowWork:
             self._write_error(RowError(task.index, task.line, task.custom_id, code, message),
                               sink, openai=task.openai is not None)
             return
-        record = result_record(task, outs, self.model_name, self.created, self._token_bytes)
+        record = result_record(task, outs, self.model_name, self.created, self._token_bytes,
+                               self.engine.markup)
+        if task.model is not None:
+            self.models_requested[task.model] += 1
         sink.put(task.index, orjson.dumps(record) + b"\n", is_error=False, outs=outs)
 
     def _token_bytes(self, token: int) -> bytes:
@@ -549,8 +553,13 @@ class JobRunner(RowWork):
                            progress.rows_done - start.rows_done,
                            progress.rows_failed - start.rows_failed,
                            self.engine.max_concurrency, wall)
+        run["models_requested"] = dict(self.models_requested)
         self.report = rp.build_report(self.manifest, progress, self.rows_total, [*runs, run],
                                       self.device)
+        requested: Counter[str] = Counter()
+        for entry in self.report["runs"]:
+            requested.update(entry.get("models_requested") or {})
+        self.report["models_requested"] = dict(requested)  # body.model of the answered rows
         return pending, self.report
 
     def _make_durable(self, sink: OrderedSink, pending: PendingCommit, report: dict,
