@@ -1,16 +1,20 @@
 """The `batchrun` command line: a thin layer over the job runner.
 
 Exit codes: 0 every row has a result or an error record; 1 a fatal error (progress kept);
-2 a usage error; 130 interrupted by Ctrl-C, 143 stopped by SIGTERM (progress kept).
+2 a usage error (a bad flag or job-file value, a missing input, a refused job), said before the
+model loads; 3 with --fail-on-row-errors when a row failed; 130 interrupted by Ctrl-C, 143
+stopped by SIGTERM (progress kept). With `-o -`, stdout carries result lines only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -20,8 +24,9 @@ import batchrun
 from batchrun.paths import default_cache_dir
 
 # Job-file keys (TOML) and the `run` parameters they set; paths are relative to the job file.
-JOB_FILE_KEYS = ("input", "model", "output", "job_dir", "max_concurrency", "max_tokens",
-                 "temperature", "top_p", "top_k", "min_p", "seed", "stop", "system",
+JOB_FILE_KEYS = ("input", "model", "output", "job_dir", "format", "max_concurrency",
+                 "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                 "max_thinking_tokens", "served_model_name", "system",
                  "prompt_template", "id_column", "memory_utilization", "prefill_batch_size",
                  "prefill_step_size", "cache_dir", "no_prefix_cache", "no_shared_prefix",
                  "json_schema", "choices",
@@ -29,6 +34,7 @@ JOB_FILE_KEYS = ("input", "model", "output", "job_dir", "max_concurrency", "max_
                  "allow_private_urls", "media_timeout", "vision", "ray_address",
                  "ray_actors", "ray_num_cpus", "ray_num_gpus", "ray_slice_rows")
 ROWS_FAILED = 3  # exit code of --fail-on-row-errors when a row failed
+STDIN = "-"  # as INPUT: JSONL rows on stdin; as -o: results on stdout
 JOB_FILE_PATHS = ("input", "output", "job_dir", "cache_dir", "json_schema")
 
 
@@ -38,11 +44,22 @@ def _fail(message: str, hint: str | None = None, code: int = 1) -> click.ClickEx
     return error
 
 
-def resume_command(args: list[str]) -> str:
+def resume_command(args: list[str], spooled: Path | None = None) -> str:
     """The command that resumes this job: the same arguments, never --restart (following a
-    printed hint must not discard progress)."""
+    printed hint must not discard progress). A job that read stdin resumes from the rows it
+    spooled (`spooled`), given in place of `-`."""
     kept = [a for a in args if a != "--restart"]
+    if spooled is not None:
+        kept = _input_replaced(kept, str(spooled))
     return f"batchrun run {' '.join(_quote(a) for a in kept)}".strip()
+
+
+def _input_replaced(args: list[str], path: str) -> list[str]:
+    """`args` with the input argument `-` (not the `-` of `-o -`) replaced by `path`."""
+    for i, arg in enumerate(args):
+        if arg == STDIN and (i == 0 or args[i - 1] not in ("-o", "--output")):
+            return [*args[:i], path, *args[i + 1:]]
+    return args
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"],
@@ -83,25 +100,38 @@ def _show_warnings() -> None:
               help="results file; a .parquet suffix writes Parquet "
                    "[default: <job-dir>/results.jsonl]")
 @click.option("--job-dir", type=click.Path(path_type=Path), default=None,
-              help="job state folder [default: jobs/<input file stem>]")
+              help="job state folder [default: jobs/<input file stem>; needed for rows from "
+                   "stdin, which are kept in it as stdin.jsonl]")
+@click.option("--format", "format", type=click.Choice(["jsonl", "parquet"]), default=None,
+              help="read the input as this format whatever its suffix [default: from the "
+                   "suffix]")
 @click.option("--max-concurrency", type=click.IntRange(min=1), default=None,
               help="most sequences decoding at once [default: chosen from memory]")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
-              help="most tokens generated a row (a row's own max_tokens wins)")
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="sampling temperature; 0 is greedy (a row's own wins)")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0,
-              show_default=True, help="sample from the smallest set of tokens with this much "
-              "probability; 1 is off")
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
-              help="sample from the k likeliest tokens; 0 is off")
-@click.option("--min-p", type=click.FloatRange(0, 1, max_open=True), default=0.0,
-              show_default=True, help="drop tokens less likely than this times the likeliest; "
-              "0 is off")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None,
+              help="most tokens generated a row (a row's own max_tokens wins) [default: the "
+                   "model's generation_config.json max_new_tokens, else 256]")
+@click.option("--temperature", type=click.FloatRange(min=0), default=None,
+              help="sampling temperature; 0 is greedy (a row's own wins) [default: the model's "
+                   "generation_config.json, else 0]")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=None,
+              help="sample from the smallest set of tokens with this much probability; 1 is "
+                   "off [default: the model's generation_config.json, else 1]")
+@click.option("--top-k", type=click.IntRange(min=0), default=None,
+              help="sample from the k likeliest tokens; 0 is off [default: the model's "
+                   "generation_config.json, else 0]")
+@click.option("--min-p", type=click.FloatRange(0, 1, max_open=True), default=None,
+              help="drop tokens less likely than this times the likeliest; 0 is off "
+                   "[default: the model's generation_config.json, else 0]")
 @click.option("--seed", type=int, default=None,
               help="base seed: a sampled row without its own seed gets one from this and its "
                    "position")
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
+@click.option("--max-thinking-tokens", type=click.IntRange(min=0), default=None,
+              help="most tokens a reasoning model may think before its answer (constraints "
+                   "apply after it) [default: unbounded]")
+@click.option("--served-model-name", default=None, metavar="NAME[,ALIAS...]",
+              help="the model names OpenAI rows may ask for in body.model; a row naming "
+                   "another is that row's error [default: any name]")
 @click.option("--json-schema", type=click.Path(path_type=Path), default=None,
               help="every answer is JSON valid against this schema (a file)")
 @click.option("--choices", default=None,
@@ -158,44 +188,108 @@ def _show_warnings() -> None:
 @click.option("--debug", is_flag=True, help="show tracebacks")
 @click.option("--fail-on-row-errors", is_flag=True,
               help="exit 3 when any row ended as an error record (every row still has one)")
+@click.option("--dry-run", is_flag=True,
+              help="count rows and prompt tokens, the share a prefix cache reuses, and "
+                   "estimate the time from a few rows; writes nothing")
 @click.pass_context
 def run(ctx: click.Context, input_path: Path, **opts) -> None:
-    """Process a .jsonl / .jsonl.gz / .parquet file, or a job file (.toml).
+    """Process a .jsonl / .jsonl.gz / .parquet file, - (JSONL rows on stdin), or a job file
+    (.toml).
 
-    Re-running the same command resumes the job where it stopped.
+    Re-running the same command resumes the job where it stopped. `-o -` writes the results
+    to stdout, in input order, once the job is done (its folder keeps them too); progress and
+    messages go to stderr.
     """
+    to_stdout = _is_dash(opts["output"])
+    spooled: list[Path] = []  # the stdin job's input, once spooled
     try:
-        _run(ctx, input_path, opts)
+        with _stdout_to_stderr(to_stdout):
+            code, spec = _run(ctx, input_path, opts, spooled)
     except KeyboardInterrupt:  # before the job's own Ctrl-C handling (loading), or a second one
         click.echo("interrupted: progress so far is kept; run the same command to resume "
-                   f"({resume_command(sys.argv[2:])})", err=True)
+                   f"({resume_command(sys.argv[2:], *spooled[:1])})", err=True)
         ctx.exit(130)
+    if to_stdout and spec is not None:
+        _print_results(spec.results_path)
+    if code:
+        ctx.exit(code)
 
 
-def _run(ctx: click.Context, input_path: Path, opts: dict) -> None:
+def _is_dash(path: Path | str | None) -> bool:
+    return path is not None and str(path) == STDIN
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr(enabled: bool) -> Iterator[None]:
+    """With -o -, stdout carries result lines only: while the job runs, whatever would reach
+    it (a library's print or warning included) goes to stderr."""
+    if not enabled:
+        yield
+        return
+    out = sys.stdout
+    out.flush()
+    try:
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:  # no file descriptor 1 to move (an embedding host)
+        saved = None
+    sys.stdout = sys.stderr
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stdout = out
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def _print_results(results: Path) -> None:
+    """The job's result lines, in input order, on stdout."""
+    import shutil
+
+    stdout = sys.stdout.buffer
+    if results.is_file():
+        with open(results, "rb") as f:
+            shutil.copyfileobj(f, stdout)
+    stdout.flush()
+
+
+def _run(ctx: click.Context, input_path: Path, opts: dict,
+         spooled: list[Path]) -> tuple[int, object]:
+    """Run the job; (exit code, its spec) when it ends with every row recorded."""
     from batchrun.engine.load import keep_torch_out
 
     job_file = None
-    if input_path.suffix == ".toml":
+    if input_path.suffix.lower() == ".toml":
         job_file = input_path
         opts = _merge_job_file(ctx, input_path, opts)
         input_path = opts.pop("input")
+    debug = opts.pop("debug")
+    fail_on_row_errors = opts.pop("fail_on_row_errors", False)
+    moved = opts.pop("_output_follows_job_dir", False)
+    dry_run = opts.pop("dry_run", False)
+    if _is_dash(opts["output"]):
+        opts["output"] = None  # the job folder's results.jsonl, printed at the end
+    if job_file and not opts["job_dir"]:
+        opts["job_dir"] = job_file.parent / job_file.stem
+    from_stdin = _is_dash(input_path)
+    if from_stdin:
+        _check_stdin(opts, dry_run)
+    elif not input_path.exists():
+        raise _fail(f"input file not found: {input_path}", code=2)
+    elif not input_path.is_file():
+        raise _fail(f"the input {input_path} is not a regular file", code=2)
     if not opts.get("vision"):
         keep_torch_out(opts.get("model"))  # before anything imports transformers
+    if dry_run:
+        _dry_run(input_path, opts, debug)
+        return 0, None
 
     from batchrun.api import Job, UsageError
     from batchrun.job import report as rp
     from batchrun.job.runner import Interrupted, JobError
 
-    if not input_path.exists():
-        raise _fail(f"input file not found: {input_path}", code=2)
-    if not input_path.is_file():
-        raise _fail(f"the input {input_path} is not a regular file", code=2)
-    debug = opts.pop("debug")
-    fail_on_row_errors = opts.pop("fail_on_row_errors", False)
-    moved = opts.pop("_output_follows_job_dir", False)
-    if job_file and not opts["job_dir"]:
-        opts["job_dir"] = job_file.parent / job_file.stem
     try:
         job = Job(input_path, **opts)
     except UsageError as e:
@@ -208,17 +302,18 @@ def _run(ctx: click.Context, input_path: Path, opts: dict) -> None:
         job.check()  # before the model loads
     except JobError as e:
         raise _fail(str(e), code=e.exit_code) from None
+    if from_stdin:
+        spooled.append(spec.input)
+        click.echo(f"input:  {spec.input} (the rows from stdin)", err=True)
     done = job.finished()
     if done is not None:
         click.echo(f"already complete: {done.rows_done:,} rows done, {done.rows_failed:,} "
                    f"failed; nothing to run (--restart runs it again)", err=True)
         _say_where(spec, done.rows_failed)
-        if fail_on_row_errors and done.rows_failed:
-            ctx.exit(ROWS_FAILED)
-        return
+        return (ROWS_FAILED if fail_on_row_errors and done.rows_failed else 0), spec
     _prepare(job, debug)
     runner, engine = job.runner, job.engine
-    resume = resume_command(sys.argv[2:])
+    resume = resume_command(sys.argv[2:], spec.input if from_stdin else None)
     try:
         report = runner.run()
     except Interrupted as e:
@@ -252,8 +347,52 @@ def _run(ctx: click.Context, input_path: Path, opts: dict) -> None:
                        f"{cache_stats['disk_loaded_blocks']:,} blocks from disk"
                        + (f", {cache_stats['disk_skipped']:,} damaged entries removed"
                           if cache_stats["disk_skipped"] else "") + ")", err=True)
-    if fail_on_row_errors and report["rows_failed"]:
-        ctx.exit(ROWS_FAILED)
+    return (ROWS_FAILED if fail_on_row_errors and report["rows_failed"] else 0), spec
+
+
+def _check_stdin(opts: dict, dry_run: bool) -> None:
+    """Rows from stdin need a pipe, and (but for a dry run) a job folder to keep them in."""
+    if sys.stdin is None or sys.stdin.isatty():
+        raise click.UsageError("INPUT is - but stdin is a terminal: pipe JSONL rows in "
+                               "(... | batchrun run - --job-dir DIR); a stdin job resumes "
+                               "from its rows with batchrun run DIR/stdin.jsonl --job-dir DIR")
+    if not opts["job_dir"] and not dry_run:
+        raise click.UsageError("rows from stdin (-) need --job-dir DIR: batchrun keeps them "
+                               "in DIR/stdin.jsonl, so the job can resume")
+
+
+def _dry_run(input_path: Path, opts: dict, debug: bool) -> None:
+    """Count, measure and estimate; print the findings on stdout. Rows from stdin are spooled
+    to a temporary file (no job folder is made)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="batchrun-dry-run-") as tmp:
+        if _is_dash(input_path):
+            from batchrun.io.readers import spool
+
+            input_path = Path(tmp) / f"stdin.{opts.get('format') or 'jsonl'}"
+            spool(sys.stdin.buffer, input_path)
+        _dry_run_file(input_path, opts, debug)
+
+
+def _dry_run_file(input_path: Path, opts: dict, debug: bool) -> None:
+    from batchrun.api import Job, UsageError
+    from batchrun.io.jsonl import InputError
+    from batchrun.job.runner import JobError
+
+    try:
+        job = Job(input_path, **opts)
+        job.spec.rows_total  # noqa: B018  (a damaged or empty input: before the model loads)
+    except UsageError as e:
+        raise click.UsageError(str(e)) from None
+    except JobError as e:
+        raise _fail(str(e), code=e.exit_code) from None
+    _prepare(job, debug, dry_run=True)
+    try:
+        found = job.dry_run()
+    except (InputError, JobError) as e:
+        raise _fail(str(e)) from None
+    click.echo(describe_dry_run(found))
 
 
 def _say_where(spec, failed: int) -> None:
@@ -263,14 +402,14 @@ def _say_where(spec, failed: int) -> None:
         click.echo(f"errors:     {spec.errors_path}", err=True)
 
 
-def _prepare(job, debug: bool) -> None:
-    """Load the job's model (or start its Ray runner) and say what runs where; bad options and
-    models are one line."""
+def _prepare(job, debug: bool, dry_run: bool = False) -> None:
+    """Load the job's model (or start its Ray runner) and say what runs where, and with which
+    sampling defaults; bad options and models are one line."""
     from batchrun.api import MissingExtra, UsageError
     from batchrun.models import ModelError
 
     try:
-        job.prepare()
+        job.prepare(dry_run=dry_run)
     except UsageError as e:
         raise click.UsageError(str(e)) from None
     except MissingExtra as e:
@@ -286,13 +425,60 @@ def _prepare(job, debug: bool) -> None:
         raise _fail(f"could not load model {job.options.model or 'demo'!r}: {e}",
                     "pass an mlx-lm model folder or a Hugging Face id with --model") from e
     o = job.options
-    if o.ray_address:
+    if o.ray_address and not dry_run:
         r = job.runner.ray_options
         click.echo(f"model:  {o.model or 'demo'} ({job.runner.model_path})\nray:    "
                    f"{o.ray_address}, {r.actors} actors x {r.num_cpus:g} CPU, "
                    f"{r.num_gpus:g} GPU", err=True)
     else:
         click.echo(describe_runtime(job.engine, o.model), err=True)
+    click.echo(describe_defaults(job), err=True)
+
+
+def describe_defaults(job) -> str:
+    """One line: the sampling defaults of rows that set none, and where each comes from."""
+    where = {"flag": "flags", "generation_config.json": "the model's generation_config.json",
+             "batchrun": "batchrun's"}
+    groups: dict[str, list[str]] = {}
+    for name, value, source in job.sampling_defaults():
+        groups.setdefault(source, []).append(f"{name} {value:g}")
+    return ("sampling: " + "; ".join(f"{', '.join(items)} ({where[source]})"
+                                     for source, items in groups.items())
+            + "; a row's own fields win")
+
+
+def describe_dry_run(found) -> str:
+    """What a dry run found, for a person: rows, tokens, the shared-prefix share, an
+    estimate."""
+    lines = [f"rows:          {found.rows:,}"
+             + (f" ({found.row_errors:,} would be error records; first: {found.first_error})"
+                if found.row_errors else ""),
+             f"prompt tokens: {found.prompt_tokens:,}"
+             + (f" ({found.prompt_tokens / max(1, found.rows - found.row_errors):,.1f} a row)"
+                if found.rows > found.row_errors else ""),
+             f"shared prefix: {found.shared_tokens:,} prompt tokens "
+             f"({100 * found.shared_share:.1f}%) start {found.sharing_rows:,} rows with blocks "
+             "another row already has: a prefix cache computes them once",
+             f"new tokens:    at most {found.max_new_tokens:,} (the rows' max_tokens)"]
+    if found.estimate_s is None:
+        lines.append("estimate:      none (no row to probe)")
+    else:
+        lines.append(
+            f"estimate:      about {_duration(found.estimate_s)} on this machine (an estimate: "
+            f"{found.probe_rows} rows probed in {found.probe_s:.1f}s, "
+            f"{found.mean_completion_tokens:,.0f} new tokens a row, prefill "
+            f"{found.prefill_tokens_per_s:,.0f} tok/s, decode {found.decode_tokens_per_s:,.0f} "
+            f"tok/s at batch {found.probe_rows}; the job decodes up to "
+            f"{found.max_concurrency} rows at once, usually faster)")
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f}s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def _quote(arg: str) -> str:
@@ -302,66 +488,134 @@ def _quote(arg: str) -> str:
 
 
 def _merge_job_file(ctx: click.Context, path: Path, opts: dict) -> dict:
-    """Job-file values for the options not given on the command line."""
+    """Job-file values for the options not given on the command line, checked as the flags'
+    values are (a bad one is a usage error naming the file and the key)."""
     if not path.is_file():
         raise _fail(f"job file not found: {path}", code=2)
     try:
         data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise _fail(f"{path} is not valid TOML: {e}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise click.UsageError(f"{path} is not valid TOML: {e}") from None
+    except OSError as e:
+        raise _fail(f"{path} cannot be read: {e.strerror or e}", code=2) from None
     unknown = sorted(set(data) - set(JOB_FILE_KEYS))
     if unknown:
         raise click.UsageError(f"{path}: unknown keys {', '.join(unknown)}; known: "
                                f"{', '.join(JOB_FILE_KEYS)}")
-    if "input" not in data:
-        raise click.UsageError(f"{path}: the job file needs an 'input' key")
+    if not isinstance(data.get("input"), str):
+        raise click.UsageError(f"{path}: the job file needs an 'input' key naming the input "
+                               "file (relative to the job file)")
+    params = {p.name: p for p in ctx.command.params}
     merged = dict(opts)
     given = {key for key in data if key != "input"
              and ctx.get_parameter_source(key) is ParameterSource.COMMANDLINE}
     for key, value in data.items():
         if key in given:
             continue  # the command line wins
+        if key == "input":
+            merged["input"] = Path(value) if value == STDIN else path.parent / value
+            continue
         if key == "output" and ctx.get_parameter_source("job_dir") is ParameterSource.COMMANDLINE:
             # The job's state moves to another folder: so does its output, or two jobs would
             # write one file.
-            merged["output"] = Path(opts["job_dir"]) / Path(value).name
+            merged["output"] = Path(opts["job_dir"]) / Path(_job_file_str(path, key,
+                                                                         value)).name
             merged["_output_follows_job_dir"] = True
             continue
         if key in JOB_FILE_PATHS:
-            value = path.parent / value
-        elif key == "model" and (path.parent / value).exists():
+            value = path.parent / _job_file_str(path, key, value)
+        elif key == "model" and (path.parent / _job_file_str(path, key, value)).exists():
             value = str(path.parent / value)
         elif key == "stop" and isinstance(value, str):
             value = (value,)
         elif key == "media_root":  # one folder or a list, each relative to the job file
-            value = tuple(path.parent / v for v in ([value] if isinstance(value, str) else value))
-        merged[key] = value
+            value = tuple(path.parent / _job_file_str(path, key, v)
+                          for v in ([value] if isinstance(value, str) else value))
+        merged[key] = _job_file_value(ctx, params[key], path, key, value)
     return merged
+
+
+def _job_file_str(path: Path, key: str, value) -> str:
+    if not isinstance(value, str):
+        raise click.UsageError(f"{path}: {key} must be a string (a path relative to the job "
+                               f"file), got {value!r}")
+    return value
+
+
+def _job_file_value(ctx: click.Context, param: click.Parameter, path: Path, key: str, value):
+    """A job file's value as its flag would give it (type and range checked)."""
+    if key == "choices" and isinstance(value, list):  # a list: labels may hold commas
+        if value and all(isinstance(v, str) for v in value):
+            return value
+        raise click.UsageError(f"{path}: choices must be a list of strings, got {value!r}")
+    if isinstance(value, dict) or (isinstance(value, list) and not param.multiple):
+        raise click.UsageError(f"{path}: {key} takes one value, got {value!r}")
+    if param.multiple and not isinstance(value, list | tuple):
+        value = (value,)
+    try:
+        return param.type_cast_value(ctx, value)
+    except click.BadParameter as e:
+        raise click.UsageError(f"{path}: {key} = {value!r}: {e.message}") from None
 
 
 @cli.command()
 @click.argument("job_dir", type=click.Path(path_type=Path, file_okay=False))
 def status(job_dir: Path) -> None:
     """Rows done / failed / pending and throughput so far (also while the job runs)."""
+    from batchrun.job.listing import read_job
     from batchrun.job.report import summary_text
-    from batchrun.job.state import DamagedFile, JobLock
+    from batchrun.job.state import DamagedFile
 
-    manifest, report = _read_job(job_dir)
-    _saved_progress(job_dir)  # a damaged state.json is said here as under `report`
-    lock = JobLock(job_dir)
+    _read_job(job_dir)  # a folder that is not a job's, or damaged files: one line each
+    _saved_progress(job_dir)
     try:
-        running = not lock.acquire()
+        job = read_job(job_dir)
     except DamagedFile as e:
         raise _fail(str(e)) from None
-    if not running:
-        lock.release()
-    state = "running (pid " + lock.holder() + ")" if running else "not running"
-    click.echo(f"job:        {job_dir} — {state}\ninput:      {manifest['input']['path']}\n"
-               f"model:      {manifest['model']['name']}")
-    if report is None:
-        click.echo("no progress recorded yet")
+    state = f"running (pid {job.pid})" if job.pid else f"not running ({job.status})"
+    click.echo(f"job:        {job_dir} — {state}\ninput:      {job.input}\n"
+               f"model:      {job.model}")
+    if job.report is None:
+        if job.progress is None:
+            click.echo("no progress recorded yet")
+        else:
+            total = "?" if job.rows_total is None else f"{job.rows_total:,}"
+            click.echo(f"rows:       {job.rows_done:,} done, {job.rows_failed:,} failed of "
+                       f"{total}")
         return
-    click.echo(summary_text(report))
+    click.echo(summary_text(job.figures()))
+
+
+@cli.command("ls")
+@click.argument("directory", metavar="[DIR]", required=False,
+                type=click.Path(path_type=Path, exists=True, file_okay=False))
+def ls(directory: Path | None) -> None:
+    """The job folders under DIR (default jobs/) with their progress, one line each."""
+    import time
+
+    from batchrun.job.listing import DEFAULT_JOBS_DIR, list_jobs
+
+    root = directory or DEFAULT_JOBS_DIR
+    if directory is None and not root.is_dir():
+        click.echo(f"no jobs: {root}/ does not exist here")
+        return
+    jobs, notes = list_jobs(root)
+    for note in notes:
+        click.echo(note, err=True)
+    if not jobs:
+        click.echo(f"no job folders in {root}")
+        return
+    width = max(len(str(j.job_dir)) for j in jobs)
+    for j in jobs:
+        total = "?" if j.rows_total is None else f"{j.rows_total:,}"
+        share = f" ({100 * (j.rows_done + j.rows_failed) / j.rows_total:.0f}%)" \
+            if j.rows_total else ""
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(j.updated)) \
+            if j.updated else "-"
+        pid = f" (pid {j.pid})" if j.pid else ""
+        click.echo(f"{str(j.job_dir):<{width}}  {j.status + pid:<11}  {j.rows_done:,} done, "
+                   f"{j.rows_failed:,} failed of {total}{share}  model {j.model}  "
+                   f"updated {when}")
 
 
 @cli.command()
@@ -496,11 +750,34 @@ def cache_ls(cache_dir: Path | None) -> None:
     if not entries:
         click.echo(f"{root}: no prefix-cache entries")
         return
+    names = _cache_model_names(entries)
+    width = max(len(names[e["model"]]) for e in entries)
     for e in entries:
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(e["last_used"])) \
             if e["last_used"] else "-"
-        click.echo(f"{e['model'][:16]}  {e['blocks']:>7,} blocks  {e['bytes'] / 2**20:>9.1f} MiB"
-                   f"  last used {when}  {e['folder']}")
+        click.echo(f"{names[e['model']]:<{width}}  {e['model'][:12]}  {e['blocks']:>7,} blocks  "
+                   f"{e['bytes'] / 2**20:>9.1f} MiB  last used {when}  {e['folder']}")
+
+
+def _cache_model_names(entries: list[dict]) -> dict[str, str]:
+    """A name for each prefix-cache folder (named by the model's fingerprint): the name the
+    folder records, else the model of a job under jobs/ with that fingerprint, or the bundled
+    demo model; else "unknown model"."""
+    from batchrun.job.listing import known_models
+
+    known = known_models()
+    names = {e["model"]: e.get("name") or next(
+        (n for fp, n in known.items() if fp.startswith(e["model"])), None) for e in entries}
+    if None in names.values():
+        from batchrun.models import DEMO_NAME, local_path, model_fingerprint
+
+        try:
+            demo = model_fingerprint(local_path(None))
+        except Exception:  # the demo model cannot be found here: it is not named
+            demo = ""
+        names = {f: n or (DEMO_NAME if demo and demo.startswith(f) else None)
+                 for f, n in names.items()}
+    return {f: n or "unknown model" for f, n in names.items()}
 
 
 @cache.command("stats")

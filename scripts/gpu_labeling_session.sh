@@ -22,11 +22,21 @@ s = pstats.Stats(sys.argv[1])
 s.sort_stats('cumtime').print_stats('batchrun|mlx_lm', 90)
 s.sort_stats('tottime').print_stats(40)" $OUT/run.prof > $OUT/run-profile.txt
 rm -f $OUT/run.prof
+# The row-building threads against the admitting thread (GIL): warm job wall by thread count.
+for w in ${WORKERS_SWEEP}; do
+    python3 -c "import sys, batchrun.job.runner as r; r.BUILD_WORKERS = $w
+sys.argv = ['batchrun', 'run', '$OUT/whole/rows.jsonl', '--quiet', '--max-tokens', '8',
+            '--model', '$MODEL', '--job-dir', '$OUT/job-workers-$w',
+            '--cache-dir', '$OUT/whole/cache-batchrun']
+from batchrun.cli import main; main()" > $OUT/workers-$w.log 2>&1
+    python3 -c "import json; r = json.load(open('$OUT/job-workers-$w/report.json'))
+print('build workers $w: job wall', r['wall_s'], 's, ttft p50', r['ttft_p50_s'])"
+done
 [ -n "$SKIP_DECODE" ] || python3 -m batchrun bench --model $MODEL --workload short --rows 512 --max-tokens 256 \
     --max-concurrency 512 --systems prefix,prefix_copies --json $OUT/decode.json \
     > $OUT/decode.log 2>&1
 tail -8 $OUT/decode.log
 # At most 8 files come back from a device call: everything small in one archive.
-rm -rf $OUT/whole/cache-* $OUT/whole/job-*/results.jsonl $OUT/job-profiled/results.jsonl
+rm -rf $OUT/whole/cache-* $OUT/whole/job-*/results.jsonl $OUT/job-*/results.jsonl
 tar czf $OUT/all.tgz -C $OUT --exclude=all.tgz --exclude='*.jsonl.out' --exclude=rows.jsonl .
 find $OUT -mindepth 1 -not -name all.tgz -delete

@@ -46,6 +46,10 @@ VARIANTS = {
     "unbounded": {"EVAL_CHUNKS_ABOVE": 1 << 62},  # the lazy graph holds every chunk
     "chunks16m": {"EVAL_CHUNK_ELEMENTS": 1 << 24},  # smaller evaluated chunks, more syncs
     "chunks128m": {"EVAL_CHUNK_ELEMENTS": 1 << 27},
+    "async": {"ASYNC_CHUNKS": True},  # chunks scheduled without waiting for each
+    "lowp": {"LOW_PRECISION_SCORES": True},  # bf16 scores and weights, float32 statistics
+    "lowp_async": {"LOW_PRECISION_SCORES": True, "ASYNC_CHUNKS": True},
+    "lowp_64m": {"LOW_PRECISION_SCORES": True, "EVAL_CHUNK_ELEMENTS": 1 << 26},
 }
 
 

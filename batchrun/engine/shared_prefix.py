@@ -34,6 +34,12 @@ MAX_SCORE_ELEMENTS = 1 << 24
 # ones slower at the same memory). Decode steps stay below it.
 EVAL_CHUNKS_ABOVE = 1 << 26
 EVAL_CHUNK_ELEMENTS = 1 << 25
+# Chunks are scheduled with mx.async_eval (no wait for each before building the next) rather
+# than mx.eval; and a half-precision model's prefix scores stay in its dtype for the two matmuls
+# (softmax statistics in float32, the weights cast back as flash attention does). Knobs for the
+# H200 measurements (scripts/profile_labeling.py variants).
+ASYNC_CHUNKS = False
+LOW_PRECISION_SCORES = False
 # On the CPU, prefix parts with at least this many scores go through NumPy (_attend_prefix_host);
 # below it the round trip costs more than MLX's slow exp.
 HOST_MIN_SCORES = 1 << 22
@@ -230,15 +236,19 @@ def _attend_prefix(q: mx.array, keys: mx.array, values: mx.array) -> tuple[mx.ar
     per_row = kv_heads * width * length
     bounded = rows * per_row > EVAL_CHUNKS_ABOVE
     chunk = max(1, (EVAL_CHUNK_ELEMENTS if bounded else MAX_SCORE_ELEMENTS) // max(1, per_row))
-    keys_t = keys.astype(mx.float32).swapaxes(-1, -2)
+    low = LOW_PRECISION_SCORES and keys.dtype in (mx.bfloat16, mx.float16)
+    keys_t = (keys if low else keys.astype(mx.float32)).swapaxes(-1, -2)
     outs, lses = [], []
     for start in range(0, rows, chunk):
         part = q[start: start + chunk]
         n = part.shape[0]
         flat = part.transpose(1, 0, 2, 3).reshape(1, kv_heads, n * width, D)
-        o, lse = _attend(flat @ keys_t, values, None)
+        if low:
+            o, lse = _attend_low(flat.astype(keys.dtype) @ keys_t, values)
+        else:
+            o, lse = _attend(flat @ keys_t, values, None)
         if bounded:
-            mx.eval(o, lse)
+            (mx.async_eval if ASYNC_CHUNKS else mx.eval)(o, lse)
         outs.append(o.reshape(kv_heads, n, width, D).transpose(1, 0, 2, 3))
         lses.append(lse.reshape(kv_heads, n, width).transpose(1, 0, 2))
     if len(outs) == 1:
@@ -313,6 +323,23 @@ def _attend(scores: mx.array, values: mx.array, mask: mx.array | None
     weights = mx.exp(scores - peak)
     total = mx.sum(weights, axis=-1, keepdims=True)
     out = (weights @ values.astype(mx.float32)) / mx.maximum(total, 1e-30)
+    return out, (peak + mx.log(total))[..., 0]
+
+
+@mx.compile
+def _softmax_parts(scores: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    """Half-precision scores -> (weights in their dtype, float32 peak, float32 sum): one fused
+    pass over the scores."""
+    s = scores.astype(mx.float32)
+    peak = mx.max(s, axis=-1, keepdims=True)
+    weights = mx.exp(s - peak)
+    return weights.astype(scores.dtype), peak, mx.sum(weights, axis=-1, keepdims=True)
+
+
+def _attend_low(scores: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    """_attend without a mask for half-precision scores (the prefix part)."""
+    weights, peak, total = _softmax_parts(scores)
+    out = (weights @ values).astype(mx.float32) / mx.maximum(total, 1e-30)
     return out, (peak + mx.log(total))[..., 0]
 
 

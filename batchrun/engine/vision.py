@@ -239,6 +239,8 @@ class VisionBackend:
         if params.adjusts_logits:
             return ("presence_penalty, frequency_penalty, repetition_penalty, logit_bias and "
                     "min_tokens are not supported with vision models yet: remove them")
+        if params.max_thinking_tokens is not None and params.constraint is None:
+            return "max_thinking_tokens is not supported with vision models yet: remove it"
         return None
 
     def prepare(self, seq: Sequence) -> str | None:

@@ -31,11 +31,18 @@ class InputError(Exception):
     """The input file as a whole cannot be read; str() names the file and the problem."""
 
 
+GZIP_MAGIC = b"\x1f\x8b"
+
+
 def open_binary(path: str | Path):
+    """The file's bytes, decompressed when it is gzip: by its suffix, or by its first bytes
+    (a file read as JSONL whatever its name, `--format jsonl`; JSON text never starts so)."""
     path = Path(path)
     if path.name.lower().endswith(".gz"):
         return gzip.open(path, "rb")
-    return open(path, "rb")
+    with open(path, "rb") as f:
+        gzipped = f.read(2) == GZIP_MAGIC
+    return gzip.open(path, "rb") if gzipped else open(path, "rb")
 
 
 @contextlib.contextmanager

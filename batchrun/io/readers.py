@@ -1,16 +1,46 @@
-"""An input file as numbered rows, whatever its format (JSONL, .jsonl.gz, Parquet)."""
+"""An input file as numbered rows, whatever its format (JSONL, .jsonl.gz, Parquet), and rows
+read from stdin spooled into a file first (a job reads its input more than once: to count, to
+check a resume against the files, to run).
+
+The format comes from the file's suffix unless `declare_format` forced one for that file
+(`--format`); JSONL is read as gzip whenever its bytes are (jsonl.open_binary).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from batchrun.io.jsonl import RawRow, count_jsonl, read_jsonl
 from batchrun.io.parquet import count_parquet, read_parquet
 
+FORMATS = ("jsonl", "parquet")
+SPOOL_CHUNK = 1 << 20
+# Input files whose format was given (--format), by absolute path: every reader of the file in
+# this process (the job runner, the Parquet output's scan) then agrees on it.
+_declared: dict[str, str] = {}
+
+
+def declare_format(path: Path, fmt: str) -> None:
+    """Read `path` as `fmt` ("jsonl" or "parquet") whatever its suffix."""
+    if fmt not in FORMATS:
+        raise ValueError(f"the input format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    _declared[_key(path)] = fmt
+
+
+def input_format(path: Path) -> str:
+    """"parquet" or "jsonl": the declared format, else the suffix's."""
+    declared = _declared.get(_key(path))
+    if declared is not None:
+        return declared
+    return "parquet" if Path(path).name.lower().endswith(".parquet") else "jsonl"
+
 
 def is_parquet(path: Path) -> bool:
-    return Path(path).name.lower().endswith(".parquet")
+    return input_format(path) == "parquet"
 
 
 def count_rows(path: Path) -> int:
@@ -21,3 +51,20 @@ def count_rows(path: Path) -> int:
 def read_rows(path: Path, start: int = 0) -> Iterator[RawRow]:
     """Rows from index `start` on; raises InputError if the file turns out damaged."""
     return read_parquet(path, start) if is_parquet(path) else read_jsonl(path, start)
+
+
+def spool(stream: BinaryIO, path: Path) -> str:
+    """Copy `stream` to `path` (created or emptied, then fsynced) and return the SHA-256 of
+    what was copied."""
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        while chunk := stream.read(SPOOL_CHUNK):
+            digest.update(chunk)
+            f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    return digest.hexdigest()
+
+
+def _key(path: Path) -> str:
+    return os.path.abspath(Path(path).expanduser())

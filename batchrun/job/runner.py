@@ -131,10 +131,17 @@ class JobSpec:
     def options(self) -> dict:
         """The options that change outputs: a resumed job must use the same ones."""
         r = self.rows
-        options = {"sampling": dataclasses.asdict(r.defaults), "system": r.system,
+        sampling = dataclasses.asdict(r.defaults)
+        # Added later, and recorded only when set, so that older job folders still match.
+        del sampling["thinking"]  # a row's own request, never the job's
+        if sampling["max_thinking_tokens"] is None:
+            del sampling["max_thinking_tokens"]
+        options = {"sampling": sampling, "system": r.system,
                    "prompt_template": r.prompt_template, "id_column": r.id_column, "n": r.n,
                    "image_column": r.image_column,
                    "output": _relative_output(self.output, self.job_dir)}
+        if r.served_model_names:
+            options["served_model_names"] = list(r.served_model_names)
         return orjson.loads(orjson.dumps(options))  # as job.json stores it (tuples are lists)
 
 
@@ -318,7 +325,8 @@ class JobRunner(RowWork):
         self.model_path = model_path
         self.device = device
         self._write_cost = 0.0  # seconds one atomic write took (prepare)
-        spec.rows.base_dir = spec.input.resolve().parent  # relative image paths start here
+        if spec.rows.base_dir == Path("."):  # relative image paths start at the input's folder
+            spec.rows.base_dir = spec.input.resolve().parent
         self.state = JobState(spec.job_dir, spec.results_path, spec.errors_path)
         self.lock = JobLock(spec.job_dir)
         self.rows_total = 0
@@ -575,9 +583,11 @@ class JobRunner(RowWork):
             self._parquet.advance(pending.progress.next_index)
 
     def _rates(self, elapsed: float, sink: OrderedSink) -> str:
+        """The bar's figures: generated tokens a second, rows running, and rows finished ahead
+        of an earlier row (safe on disk, written to the output once the earlier rows are)."""
         tokens = self.engine.generated_tokens
-        return (f"{tokens / elapsed:,.0f} tok/s, batch {self.engine.num_running}, "
-                f"held {sink.held}")
+        ahead = f", {sink.held:,} done ahead" if sink.held else ""
+        return f"{tokens / elapsed:,.0f} tok/s, batch {self.engine.num_running}{ahead}"
 
 
 def finished(sink: OrderedSink) -> int:
