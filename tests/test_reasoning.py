@@ -160,3 +160,34 @@ def test_a_thinking_budget_ends_the_block_of_a_free_row(demo):
         max_tokens=6, logit_bias=((771, 100.0),), max_thinking_tokens=2))[0]
     # <think>, two tokens of reasoning, the forced </think>, then the bias again.
     assert out.token_ids[:4] == [771, 771, 771, 772] and out.token_ids[4] == 771
+
+
+def test_parquet_output_has_reasoning_and_tool_call_columns(demo, tmp_path):
+    import pyarrow.parquet as pq
+
+    from batchrun.io.parquet_output import flat_result
+
+    rows = write_rows(tmp_path / "rows.jsonl", [
+        chat("think", enable_thinking=True, logit_bias={"771": 100}, max_thinking_tokens=2,
+             guided_choice=["yes", "no"]),
+        chat("plain", guided_choice=["yes", "no"])])
+    run(rows, "--job-dir", tmp_path / "job", "--max-tokens", "8", "-o", tmp_path / "out.parquet")
+    table = pq.read_table(tmp_path / "out.parquet").to_pylist()
+    assert table[0]["reasoning"] == "<think>" * 2 and table[0]["text"] in ("yes", "no")
+    assert table[1]["reasoning"] is None and table[1]["tool_calls"] is None
+    call = record(demo, openai_chat("call", tools=TOOLS), CALL)
+    assert orjson.loads(flat_result(call)["tool_calls"]) == \
+        [{"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+    native = record(demo, chat("call", tools=TOOLS), CALL)
+    assert flat_result(native)["tool_calls"] == flat_result(call)["tool_calls"]
+
+
+def test_bodies_name_the_first_served_model_name(tmp_path):
+    rows = write_rows(tmp_path / "rows.jsonl", [openai_chat("a", model="alias", max_tokens=2),
+                                                openai_chat("b", model="gpt-4o", max_tokens=2)])
+    run(rows, "--job-dir", tmp_path / "job", "--served-model-name", "demo-lm,alias")
+    (ok,) = jsonl(tmp_path / "job" / "results.jsonl")
+    (refused,) = jsonl(tmp_path / "job" / "errors.jsonl")
+    assert ok["custom_id"] == "a" and ok["response"]["body"]["model"] == "demo-lm"
+    assert refused["custom_id"] == "b" and refused["error"]["code"] == "model_not_found"
+    assert refused["response"] is None

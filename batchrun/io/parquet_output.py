@@ -42,6 +42,8 @@ RESULT_COLUMNS = (
 OPTIONAL_COLUMNS = (
     ("choice_probs", pa.map_(pa.string(), pa.float64())),
     ("samples", pa.list_(pa.string())),
+    ("reasoning", pa.string()),  # a reasoning model's thinking block
+    ("tool_calls", pa.string()),  # JSON: [{"name", "arguments"}], arguments as JSON text
 )
 OUTPUT_COLUMNS = RESULT_COLUMNS + OPTIONAL_COLUMNS
 
@@ -352,14 +354,20 @@ def flat_result(r: dict) -> dict:
         probs = choice.get("choice_probs")
         samples = [(c.get("message") or {}).get("content", c.get("text")) for c in choices] \
             if len(choices) > 1 else None
+        message = choice.get("message") or {}
+        reasoning = message.get("reasoning_content")
+        calls = [c.get("function") for c in message.get("tool_calls") or []] or None
     else:
         text, finish, usage = r.get("text"), r.get("finish_reason"), r.get("usage") or {}
         probs = r.get("choice_probs")
         samples = [s["text"] for s in r["samples"]] if r.get("samples") else None
+        reasoning, calls = r.get("reasoning"), r.get("tool_calls")
     return {"text": text, "finish_reason": finish, "prompt_tokens": usage.get("prompt_tokens"),
             "completion_tokens": usage.get("completion_tokens"),
             "cached_tokens": usage.get("cached_tokens"), "error": None,
-            "choice_probs": list(probs.items()) if probs else None, "samples": samples}
+            "choice_probs": list(probs.items()) if probs else None, "samples": samples,
+            "reasoning": reasoning,
+            "tool_calls": orjson.dumps(calls).decode() if calls else None}
 
 
 def _one_line(e: BaseException) -> str:

@@ -302,8 +302,9 @@ class RowWork:
             self._write_error(RowError(task.index, task.line, task.custom_id, code, message),
                               sink, openai=task.openai is not None)
             return
-        record = result_record(task, outs, self.model_name, self.created, self._token_bytes,
-                               self.engine.markup)
+        served = self.row_options.served_model_names
+        record = result_record(task, outs, served[0] if served else self.model_name,
+                               self.created, self._token_bytes, self.engine.markup)
         if task.model is not None:
             self.models_requested[task.model] += 1
         sink.put(task.index, orjson.dumps(record) + b"\n", is_error=False, outs=outs)
