@@ -50,6 +50,8 @@ VARIANTS = {
     "lowp": {"LOW_PRECISION_SCORES": True},  # bf16 scores and weights, float32 statistics
     "lowp_async": {"LOW_PRECISION_SCORES": True, "ASYNC_CHUNKS": True},
     "lowp_64m": {"LOW_PRECISION_SCORES": True, "EVAL_CHUNK_ELEMENTS": 1 << 26},
+    "lowp_async_128m": {"LOW_PRECISION_SCORES": True, "ASYNC_CHUNKS": True,
+                        "EVAL_CHUNK_ELEMENTS": 1 << 27},
 }
 
 
