@@ -50,6 +50,9 @@ VARIANTS = {
     "lowp": {"LOW_PRECISION_SCORES": True},  # bf16 scores and weights, float32 statistics
     "lowp_async": {"LOW_PRECISION_SCORES": True, "ASYNC_CHUNKS": True},
     "lowp_64m": {"LOW_PRECISION_SCORES": True, "EVAL_CHUNK_ELEMENTS": 1 << 26},
+    "async_window4": {"ASYNC_CHUNKS": True, "ASYNC_WINDOW": 4},
+    "lowp_async_window4": {"LOW_PRECISION_SCORES": True, "ASYNC_CHUNKS": True,
+                           "ASYNC_WINDOW": 4},
     "lowp_async_128m": {"LOW_PRECISION_SCORES": True, "ASYNC_CHUNKS": True,
                         "EVAL_CHUNK_ELEMENTS": 1 << 27},
 }

@@ -189,3 +189,29 @@ def test_the_fused_prefix_part_equals_the_exact_one(dtype, atol):
                                                   values.astype(dtype), 0.25)
     assert mx.allclose(out, want_out, atol=atol).item()
     assert mx.allclose(lse, want_lse, atol=atol, rtol=atol).item()
+
+
+@pytest.mark.parametrize("knobs,dtype,atol", [
+    ({"ASYNC_CHUNKS": True}, mx.float32, 0.0),
+    ({"ASYNC_CHUNKS": True, "ASYNC_WINDOW": 2}, mx.float32, 0.0),
+    ({"LOW_PRECISION_SCORES": True}, mx.bfloat16, 3e-2),
+    ({"LOW_PRECISION_SCORES": True}, mx.float32, 0.0),  # a float32 model keeps float32 scores
+])
+def test_the_prefix_part_s_speed_knobs_keep_its_result(monkeypatch, knobs, dtype, atol):
+    """Scheduling the evaluated chunks without waiting (whole or windowed) changes nothing;
+    half-precision scores stay within half precision of the float32 ones."""
+    mx.random.seed(2)
+    rows, kv_heads, width, D, P = 5, 2, 6, 16, 70
+    q = mx.random.normal((rows, kv_heads, width, D)) * 0.5
+    keys = mx.random.normal((1, kv_heads, P, D)).astype(dtype)
+    values = mx.random.normal((1, kv_heads, P, D)).astype(dtype)
+    monkeypatch.setattr(shared_prefix, "EVAL_CHUNKS_ABOVE", 1)  # a prefill's chunking, small
+    monkeypatch.setattr(shared_prefix, "EVAL_CHUNK_ELEMENTS", kv_heads * width * P)
+    want_out, want_lse = shared_prefix._attend_prefix(q, keys.astype(mx.float32),
+                                                      values.astype(mx.float32))
+    for name, value in knobs.items():
+        monkeypatch.setattr(shared_prefix, name, value)
+    out, lse = shared_prefix._attend_prefix(q, keys, values)
+    assert out.shape == want_out.shape and lse.shape == want_lse.shape
+    assert mx.allclose(out, want_out, atol=atol, rtol=atol).item()
+    assert mx.allclose(lse, want_lse, atol=atol, rtol=atol).item()

@@ -40,6 +40,9 @@ EVAL_CHUNK_ELEMENTS = 1 << 25
 # H200 measurements (scripts/profile_labeling.py variants).
 ASYNC_CHUNKS = False
 LOW_PRECISION_SCORES = False
+# With ASYNC_CHUNKS, every this many chunks one is waited for (None: never), which bounds the
+# chunks in flight (measured unbounded: +3-4 GiB at 512 rows).
+ASYNC_WINDOW: int | None = None
 # On the CPU, prefix parts with at least this many scores go through NumPy (_attend_prefix_host);
 # below it the round trip costs more than MLX's slow exp.
 HOST_MIN_SCORES = 1 << 22
@@ -248,7 +251,8 @@ def _attend_prefix(q: mx.array, keys: mx.array, values: mx.array) -> tuple[mx.ar
         else:
             o, lse = _attend(flat @ keys_t, values, None)
         if bounded:
-            (mx.async_eval if ASYNC_CHUNKS else mx.eval)(o, lse)
+            waits = not ASYNC_CHUNKS or (ASYNC_WINDOW and len(outs) % ASYNC_WINDOW == 0)
+            (mx.eval if waits else mx.async_eval)(o, lse)
         outs.append(o.reshape(kv_heads, n, width, D).transpose(1, 0, 2, 3))
         lses.append(lse.reshape(kv_heads, n, width).transpose(1, 0, 2))
     if len(outs) == 1:
