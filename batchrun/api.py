@@ -19,6 +19,7 @@ from typing import Any, BinaryIO
 
 from batchrun.engine.load import load_engine
 from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.io.files import fsync_folder
 from batchrun.models import MissingExtra  # re-exported: the CLI catches it
 
 _SAMPLING = SamplingParams()
@@ -239,7 +240,7 @@ class Job:
                     f"{target} holds other rows than those on stdin, and {spec.job_dir} holds "
                     f"no job yet: pass another --job-dir, or move {target} away")
             os.replace(partial, target)
-            _fsync_folder(spec.job_dir)
+            fsync_folder(spec.job_dir)
         except OSError as e:
             raise JobError(f"cannot keep the rows from stdin in {target}: "
                            f"{e.strerror or e}") from None
@@ -498,14 +499,6 @@ def _shown(value: Any, limit: int = 60) -> str:
         return f"{value:g}" if isinstance(value, float) else str(value)
     text = json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
     return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _fsync_folder(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _stdin_bytes() -> BinaryIO:

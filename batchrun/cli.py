@@ -450,6 +450,8 @@ def describe_defaults(job) -> str:
 def describe_dry_run(found) -> str:
     """What a dry run found, for a person: rows, tokens, the shared-prefix share, an
     estimate."""
+    from batchrun.job.report import human_seconds
+
     lines = [f"rows:          {found.rows:,}"
              + (f" ({found.row_errors:,} would be error records; first: {found.first_error})"
                 if found.row_errors else ""),
@@ -464,21 +466,13 @@ def describe_dry_run(found) -> str:
         lines.append("estimate:      none (no row to probe)")
     else:
         lines.append(
-            f"estimate:      about {_duration(found.estimate_s)} on this machine (an estimate: "
+            f"estimate:      about {human_seconds(found.estimate_s)} on this machine (an estimate: "
             f"{found.probe_rows} rows probed in {found.probe_s:.1f}s, "
             f"{found.mean_completion_tokens:,.0f} new tokens a row, prefill "
             f"{found.prefill_tokens_per_s:,.0f} tok/s, decode {found.decode_tokens_per_s:,.0f} "
             f"tok/s at batch {found.probe_rows}; the job decodes up to "
             f"{found.max_concurrency} rows at once, usually faster)")
     return "\n".join(lines)
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 90:
-        return f"{seconds:.0f}s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def _quote(arg: str) -> str:

@@ -22,3 +22,16 @@ def run(*args, code=0):
     result = CliRunner().invoke(cli, ["run", *map(str, args), "--quiet"])
     assert result.exit_code == code, result.output
     return result
+
+
+def committed_rows(job: Path) -> int:
+    """Rows with a record that the job's state.json records (0 before the first commit)."""
+    try:
+        state = orjson.loads((job / "state.json").read_bytes())
+    except (OSError, ValueError):
+        return 0
+    return state["rows_done"] + state["rows_failed"]
+
+
+def line_count(path: Path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0

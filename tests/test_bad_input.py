@@ -8,12 +8,12 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from batchrun.cli import cli
 from batchrun.engine.prompt import PromptBuilder
-from batchrun.io.jsonl import read_jsonl
+from batchrun.io.jsonl import is_gzip_header, read_jsonl
 from batchrun.job.rows import RowError, RowOptions, Task, build_task
 from batchrun.job.sink import OrderedSink
 
@@ -188,6 +188,7 @@ def test_a_slow_disk_does_not_stall_the_engine(tmp_path, monkeypatch):
 def test_jsonl_reader_accounts_for_every_non_blank_line_whatever_the_bytes(tmp_path_factory,
                                                                          chunks):
     data = b"\n".join(c.replace(b"\n", b" ").replace(b"\r", b" ") for c in chunks)
+    assume(not is_gzip_header(data[:10]))  # a file whose bytes are gzip is read as gzip
     path = tmp_path_factory.mktemp("h") / "in.jsonl"
     path.write_bytes(data)
     rows = list(read_jsonl(path))

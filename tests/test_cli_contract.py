@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 import batchrun.api
 from batchrun.cli import cli, resume_command
-from tests.helpers import jsonl, run, write_rows
+from tests.helpers import committed_rows, jsonl, line_count, run, write_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "sample_data" / "demo-model"
@@ -108,7 +108,7 @@ def test_a_stdin_job_survives_ctrl_c_and_resumes_from_its_spooled_rows(tmp_path)
                                  str(job), "--quiet", "--max-concurrency", "4"], stdin=stdin,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
-    while _lines(job / "results.jsonl") < 8:
+    while line_count(job / "results.jsonl") < 8:
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
@@ -333,7 +333,8 @@ def test_dry_run_counts_rows_tokens_and_the_shared_prefix_and_writes_nothing(tmp
     assert f"shared prefix: {shared:,} prompt tokens ({100 * shared / sum(map(len, ids)):.1f}%)" \
         in out
     assert "start 9 rows" in out and "at most 50" in out
-    assert re.search(r"estimate: +about \d+s on this machine \(an estimate: 8 rows probed", out)
+    assert re.search(r"estimate: +about [\d.]+ (ms|s) on this machine "
+                     r"\(an estimate: 8 rows probed", out)
     # The real run's prompt tokens are what the dry run counted.
     run("rows.jsonl")
     assert sum(r["usage"]["prompt_tokens"] for r in jsonl("jobs/rows/results.jsonl")) == \
@@ -429,9 +430,9 @@ def test_status_while_a_job_runs_counts_rows_finished_ahead_of_a_slow_row(tmp_pa
     try:
         while proc.poll() is None:
             if (job / "report.json").exists():
-                before = _committed(job)
+                before = committed_rows(job)
                 out = invoke("status", job).stdout
-                after = _committed(job)
+                after = committed_rows(job)
                 match = re.search(r"([\d,]+) done, ([\d,]+) failed, ([\d,]+) pending of 301", out)
                 if match:
                     count = int(match[1].replace(",", "")) + int(match[2].replace(",", ""))
@@ -439,7 +440,7 @@ def test_status_while_a_job_runs_counts_rows_finished_ahead_of_a_slow_row(tmp_pa
                     assert not seen or count >= seen[-1]
                     seen.append(count)
                     # the ordered output holds nothing past the slow first row yet
-                    ahead = ahead or (count > 1 and _lines(job / "results.jsonl") == 0)
+                    ahead = ahead or (count > 1 and line_count(job / "results.jsonl") == 0)
             time.sleep(0.2)
         _, err = proc.communicate(timeout=60)
     finally:
@@ -451,18 +452,6 @@ def test_status_while_a_job_runs_counts_rows_finished_ahead_of_a_slow_row(tmp_pa
     bar = [int(n) for n in re.findall(r"\| *(\d+)/301 ", err)]
     assert bar and max(seen) <= max(bar) == 301
     assert "301 done, 0 failed, 0 pending of 301" in invoke("status", job).stdout
-
-
-def _committed(job: Path) -> int:
-    try:
-        state = orjson.loads((job / "state.json").read_bytes())
-    except (OSError, ValueError):
-        return 0
-    return state["rows_done"] + state["rows_failed"]
-
-
-def _lines(path: Path) -> int:
-    return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
 # -- 9. cache ls names the model --------------------------------------------------------------

@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from batchrun.cli import resume_command
-from tests.helpers import jsonl, run, write_rows
+from tests.helpers import committed_rows, jsonl, line_count, run, write_rows
 
 
 def rows_file(tmp_path: Path, n: int = 12, name: str = "rows.jsonl") -> Path:
@@ -98,7 +98,7 @@ def test_ctrl_c_after_restart_hints_a_resume_that_keeps_progress(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "batchrun", "run", str(rows), "--job-dir",
                              str(job), "--restart", "--quiet", "--max-concurrency", "4"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait(lambda: _lines(job / "results.jsonl") >= 10, proc)
+    _wait(lambda: line_count(job / "results.jsonl") >= 10, proc)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
@@ -119,11 +119,11 @@ def test_rows_finished_behind_a_slow_row_survive_a_kill_and_are_not_computed_aga
                              str(job), "--quiet", "--max-concurrency", "8"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     # The slow row 0 holds the ordered output back; the others are committed from the spill.
-    _wait(lambda: _committed(job) >= 20, proc, timeout=120)
+    _wait(lambda: committed_rows(job) >= 20, proc, timeout=120)
     proc.kill()
     proc.wait()
-    assert _lines(job / "results.jsonl") == 0, "row 0 should still have been running"
-    durable = _committed(job)
+    assert line_count(job / "results.jsonl") == 0, "row 0 should still have been running"
+    durable = committed_rows(job)
     assert durable >= 20
     spilled = {orjson.loads(r["line"])["custom_id"]: r["line"].encode()
                for r in jsonl(job / "spill.jsonl")}
@@ -390,13 +390,13 @@ def test_sigterm_stops_like_ctrl_c_with_exit_143(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "batchrun", "run", str(rows), "--job-dir",
                              str(job), "--quiet", "--max-concurrency", "4"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait(lambda: _lines(job / "results.jsonl") >= 10, proc)
+    _wait(lambda: line_count(job / "results.jsonl") >= 10, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err
     assert "stopped by SIGTERM" in err and "resume with:" in err and "Traceback" not in err
     state = orjson.loads((job / "state.json").read_bytes())
-    assert state["rows_done"] >= _lines(job / "results.jsonl") >= 10  # the last commit ran
+    assert state["rows_done"] >= line_count(job / "results.jsonl") >= 10  # the last commit ran
     out = run(rows, "--job-dir", job, "--max-concurrency", "4")
     assert "warning" not in out.output
     assert [r["custom_id"] for r in jsonl(job / "results.jsonl")] == [f"r{i}" for i in range(300)]
@@ -495,18 +495,6 @@ def _invoke(*args):
     from batchrun.cli import cli
 
     return CliRunner().invoke(cli, [str(a) for a in args])
-
-
-def _lines(path: Path) -> int:
-    return path.read_bytes().count(b"\n") if path.exists() else 0
-
-
-def _committed(job: Path) -> int:
-    try:
-        state = orjson.loads((job / "state.json").read_bytes())
-    except (OSError, ValueError):
-        return 0
-    return state["rows_done"] + state["rows_failed"]
 
 
 def _wait(condition, proc, timeout: float = 60.0) -> None:

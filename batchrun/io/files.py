@@ -21,8 +21,13 @@ def write_atomic(path: Path, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+    fsync_folder(path.parent)
+
+
+def fsync_folder(folder: Path) -> None:
+    """Make a folder's entries (a rename, a new file) durable."""
+    fd = os.open(folder, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)
+        os.fsync(fd)
     finally:
-        os.close(dir_fd)
+        os.close(fd)

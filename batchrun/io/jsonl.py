@@ -41,8 +41,13 @@ def open_binary(path: str | Path):
     if path.name.lower().endswith(".gz"):
         return gzip.open(path, "rb")
     with open(path, "rb") as f:
-        gzipped = f.read(2) == GZIP_MAGIC
+        gzipped = is_gzip_header(f.read(10))
     return gzip.open(path, "rb") if gzipped else open(path, "rb")
+
+
+def is_gzip_header(head: bytes) -> bool:
+    """A whole gzip member header: magic, deflate, no reserved flag bits (RFC 1952)."""
+    return len(head) >= 10 and head[:3] == GZIP_MAGIC + b"\x08" and not head[3] & 0xE0
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchrun.io.files import fsync_folder
 from batchrun.io.jsonl import InputError, read_jsonl
 from batchrun.io.parquet import BATCH_ROWS  # rows per row group: the most rows held at once
 from batchrun.io.readers import is_parquet
@@ -102,7 +103,7 @@ class ParquetOutput:
         self._tmp_file.close()
         os.replace(self.tmp, self.out)
         self.tmp = None
-        _fsync_folder(self.out.parent)
+        fsync_folder(self.out.parent)
         self.close()
 
     def close(self) -> None:
@@ -388,12 +389,4 @@ def _remove_stale_partials(out: Path) -> None:
                 path.unlink()
         except OSError:
             pass  # not ours to remove after all; it does no harm
-
-
-def _fsync_folder(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
