@@ -503,3 +503,25 @@ def _wait(condition, proc, timeout: float = 60.0) -> None:
         assert proc.poll() is None, "the job ended before the condition held"
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+def test_the_first_row_in_input_order_owns_an_id_whatever_order_rows_are_seen_in():
+    """A resumed job first meets the rows that have records; a later duplicate's error record
+    must not take the id from an earlier row that was still running."""
+    from types import SimpleNamespace
+
+    from batchrun.io.jsonl import RawRow
+    from batchrun.job.runner import JobRunner
+
+    runner = SimpleNamespace(_seen_ids={}, spec=SimpleNamespace(rows=SimpleNamespace(
+        id_column=None)))
+
+    def check(line: int):
+        return JobRunner._check_id(runner, RawRow(line - 1, line, {"custom_id": "A"}))
+
+    assert check(2) is None  # the resume sees line 2's (duplicate) record first
+    assert check(1) is None  # line 1 owns the id all the same
+    error = check(2)
+    assert error is not None and error.code == "duplicate_custom_id" and "line 1" in \
+        error.message
+    assert check(3).code == "duplicate_custom_id"

@@ -2,12 +2,15 @@
 that starts after the reasoning, and a reasoning budget. The demo model's template thinks
 (`<think>`) and calls tools (`<tool_call>`); its outputs are forced with regexes and logit bias."""
 
+import json
+
 import orjson
 import pytest
 from helpers import jsonl, run, write_rows
 from mlx_lm.tool_parsers import mistral
 from openai.types.chat import ChatCompletion
 
+from batchrun.engine.constrain import Constraint
 from batchrun.engine.engine import Engine
 from batchrun.engine.reasoning import Markup, parse_tool_calls, split_reasoning
 from batchrun.engine.request import FinishReason, Output
@@ -191,3 +194,44 @@ def test_bodies_name_the_first_served_model_name(tmp_path):
     assert ok["custom_id"] == "a" and ok["response"]["body"]["model"] == "demo-lm"
     assert refused["custom_id"] == "b" and refused["error"]["code"] == "model_not_found"
     assert refused["response"] is None
+
+
+def test_tool_call_text_that_breaks_a_parser_stays_text():
+    hermes = Markup(tool_start="<tool_call>", tool_end="</tool_call>",
+                    tool_parser=lambda body, tools: json.loads(body))  # as mlx-lm's json_tools
+    deep = "<tool_call>" + "[" * 5000 + "</tool_call>"  # RecursionError in json.loads
+    assert parse_tool_calls(deep, hermes, TOOLS) == (deep, [])
+    surrogate = '<tool_call>{"name": "get_weather", "arguments": {"x": "\\ud800"}}</tool_call>'
+    assert parse_tool_calls(surrogate, hermes, TOOLS) == (surrogate, [])  # not UTF-8 writable
+
+
+def test_only_a_block_the_template_opens_counts_not_a_think_tag_in_the_question(demo):
+    m = demo.markup
+    opened = demo.prompts.encode_chat([{"role": "user", "content": "Hi"}]) + [m.think_start_id]
+    assert m.opens_thinking(opened) and m.opens_thinking(opened + [90, 91])
+    asked = demo.prompts.encode_chat(
+        [{"role": "user", "content": "What does the <think> tag do?"}])
+    assert m.think_start_id in asked and not m.opens_thinking(asked)
+    out = demo.generate([[{"role": "user", "content": "What does the <think> tag do?"}]],
+                        max_tokens=4, constraint=Constraint.choices(["yes", "no"]))[0]
+    assert out.text in ("yes", "no") and not out.thinking_opened
+
+
+def test_a_raw_prompt_is_never_read_as_reasoning(tmp_path):
+    rows = write_rows(tmp_path / "rows.jsonl", [
+        {"custom_id": "raw", "prompt": "Question? <think>", "guided_choice": ["yes", "no"],
+         "max_thinking_tokens": 2, "enable_thinking": True, "max_tokens": 10}])
+    run(rows, "--job-dir", tmp_path / "job")
+    (row,) = jsonl(tmp_path / "job" / "results.jsonl")
+    assert row["text"] in ("yes", "no") and "reasoning" not in row and "choice_probs" in row
+
+
+def test_a_choice_longer_than_the_context_is_that_row_s_error(tmp_path):
+    rows = write_rows(tmp_path / "rows.jsonl", [
+        {"custom_id": "long", "prompt": "hi", "guided_choice": ["A" * 9000, "B"]},
+        {"custom_id": "fine", "prompt": "hi", "guided_choice": ["A", "B"]}])
+    run(rows, "--job-dir", tmp_path / "job")
+    (error,) = jsonl(tmp_path / "job" / "errors.jsonl")
+    assert error["custom_id"] == "long" and "exceed the model's context" in \
+        error["error"]["message"]
+    assert [r["custom_id"] for r in jsonl(tmp_path / "job" / "results.jsonl")] == ["fine"]

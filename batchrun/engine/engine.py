@@ -130,7 +130,8 @@ class Engine(Requests, CacheControl):
         """Queue a request from token ids (and what the backend needs besides); its id."""
         seq = Sequence(next(self._ids), list(prompt), params, params.max_tokens, inputs,
                        media=inputs.media if inputs is not None else ())
-        seq.thinking_opened = self.markup.opens_thinking(seq.prompt)
+        seq.thinking_opened = params.thinking is not False and \
+            self.markup.opens_thinking(seq.prompt)
         constraint = params.constraint
         if constraint is not None and constraint.kind == "choices" and \
                 self.backend.scores_choices and not self._reasons_first(seq):
@@ -138,6 +139,14 @@ class Engine(Requests, CacheControl):
             # second step keeps the row in the batch until its prompt cache is read.
             seq.max_tokens = 2
             seq.choice_tokens = choice_token_ids(self.tokenizer, constraint.value)
+            longest = max(map(len, seq.choice_tokens))
+            if self.context_length and len(prompt) + longest > self.context_length:
+                seq.start_output(None)
+                self._emit(seq, FinishReason.ERROR,
+                           f"the prompt ({len(prompt)} tokens) and its longest choice "
+                           f"({longest} tokens) exceed the model's context of "
+                           f"{self.context_length} tokens")
+                return seq.id
         if self.context_length:
             seq.max_tokens = min(seq.max_tokens, self.context_length - len(prompt))
         seq.start_output(self._stop_scanner(params))
@@ -157,13 +166,17 @@ class Engine(Requests, CacheControl):
 
     def _reasons_first(self, seq: Sequence) -> bool:
         """A constrained row that reasons before its answer (the constraint starts after)."""
-        return seq.params.thinking or seq.thinking_opened
+        m = self.markup
+        return m.think_start_id is not None and m.think_end_id is not None and \
+            (seq.params.thinking is True or seq.thinking_opened)
 
     def _thinking_gate(self, seq: Sequence) -> ThinkingGate | None:
         """The gate of a row whose reasoning block is watched: a constrained row that reasons
         first, or any row with a thinking budget (single-token markers only)."""
         m, p = self.markup, seq.params
         if m.think_start_id is None or m.think_end_id is None:
+            return None
+        if p.thinking is False:  # a raw prompt: no reasoning block is watched
             return None
         if (p.constraint is not None and self._reasons_first(seq)) or \
                 (p.constraint is None and p.max_thinking_tokens is not None):

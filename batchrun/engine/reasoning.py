@@ -23,6 +23,9 @@ import mlx.core as mx
 import numpy as np
 
 PYTHON_TAG = "<|python_tag|>"
+# A template that opens the reasoning block puts its start at the very end of the generation
+# prompt ("<|im_start|>assistant\n<think>\n"): only the last this many tokens are looked at.
+OPENED_WITHIN = 4
 
 
 @dataclass(frozen=True)
@@ -58,10 +61,12 @@ class Markup:
         return bool(self.think_start and self.think_end)
 
     def opens_thinking(self, prompt: list[int]) -> bool:
-        """Whether the prompt ends inside a reasoning block (the template opened it)."""
+        """Whether the template opened a reasoning block for the answer: its start among the
+        prompt's last few tokens (after the assistant's turn begins), not closed since. A
+        `<think>` a user wrote further up is text."""
         if self.think_start_id is None or self.think_end_id is None:
             return False
-        for token in reversed(prompt):
+        for token in reversed(prompt[-OPENED_WITHIN:]):
             if token == self.think_end_id:
                 return False
             if token == self.think_start_id:
@@ -106,8 +111,8 @@ def parse_tool_calls(answer: str, markup: Markup, tools: list | None
         if markup.tool_start:
             return _marked_calls(answer, markup, tools)
         return _bare_json_call(answer, tools)
-    except (ValueError, TypeError, KeyError, AttributeError, IndexError):
-        return answer, []
+    except Exception:  # noqa: BLE001  (the parsers are mlx-lm's, the text the model's:
+        return answer, []  # RecursionError on deep nesting, MemoryError... -> plain text)
 
 
 def _marked_calls(answer: str, markup: Markup, tools: list) -> tuple[str, list[ToolCall]]:
@@ -149,6 +154,7 @@ def _calls_of(parsed: Any) -> list[ToolCall]:
             raise ValueError("a tool call without a name")
         if not isinstance(arguments, str):
             arguments = json.dumps(arguments, ensure_ascii=False)
+        name.encode(), arguments.encode()  # a lone surrogate from a JSON escape: not a call
         calls.append(ToolCall(name, arguments))
     return calls
 

@@ -46,9 +46,10 @@ class SamplingParams:
     # A thinking model's reasoning block ends after at most this many tokens (None: unbounded);
     # a constraint applies to the answer after it (engine/reasoning.py).
     max_thinking_tokens: int | None = None
-    # The row asked its template for a reasoning block (enable_thinking): a constrained answer
-    # may reason first, and the constraint applies after the block.
-    thinking: bool = False
+    # The row asked its template for a reasoning block (enable_thinking: True): a constrained
+    # answer may reason first, and the constraint applies after the block; False: a raw prompt,
+    # never read as reasoning; None: the prompt decides (a template that opened a block).
+    thinking: bool | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,

@@ -203,8 +203,9 @@ def _build(value: Any, index: int, line: int, custom_id: str, prompts: PromptBui
         # A seed from the job's base seed and the row's position: the same row samples the
         # same text on every run, resumed or not, whatever else shares its batch.
         params = dataclasses.replace(params, seed=row_seed(index, options.defaults.seed or 0))
-    if _asks_thinking(body):
-        params = dataclasses.replace(params, thinking=True)
+    raw_prompt = openai == "completion" or (openai is None and "prompt" in body)
+    if raw_prompt or _asks_thinking(body):  # a raw prompt's text is never read as reasoning
+        params = dataclasses.replace(params, thinking=not raw_prompt)
     model = body.get("model") if openai else None
     if model is not None and not isinstance(model, str):
         raise RowRejected("invalid_field", "body.model must be a string")
@@ -215,7 +216,6 @@ def _build(value: Any, index: int, line: int, custom_id: str, prompts: PromptBui
                           f"{', '.join(map(repr, options.served_model_names))}")
     ids, vision = _prompt_ids(body, openai, prompts, options, value)
     tools = body.get("tools") if body.get("tool_choice") != "none" else None
-    raw_prompt = openai == "completion" or (openai is None and "prompt" in body)
     return Task(index, line, custom_id, ids, params, openai, model, n, vision,
                 tools if isinstance(tools, list) and tools else None, chat=not raw_prompt)
 

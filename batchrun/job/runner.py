@@ -516,13 +516,16 @@ class JobRunner(RowWork):
         return self.manifest["created"]
 
     def _check_id(self, raw: RawRow) -> RowError | None:
-        """A row whose explicit id an earlier row already used is an error (the later one)."""
+        """A row whose explicit id an earlier row already used is an error (the later one).
+        The first row in input order owns the id, whatever order rows are seen in (a resumed
+        job first sees the rows that have records, which may be later duplicates)."""
         custom_id = explicit_id(raw.value, self.spec.rows.id_column)
         if custom_id is None:
             return None
         key = hashlib.blake2b(custom_id.encode(), digest_size=8).digest()
-        first = self._seen_ids.setdefault(key, raw.line)
-        if first == raw.line:
+        first = self._seen_ids.get(key)
+        if first is None or raw.line <= first:
+            self._seen_ids[key] = raw.line
             return None
         return RowError(raw.index, raw.line, custom_id, "duplicate_custom_id",
                         f"custom_id {custom_id!r} is already used by the row on line {first}: "
