@@ -130,6 +130,7 @@ class Job:
         self.from_stdin = str(input) == STDIN
         self._stdin = stdin
         self._stdin_taken = False  # spooled into the job folder (once: check() may repeat)
+        self._spool_written = False  # this Job wrote the spool, for a job that had not begun
         self.spec, self.config, self.constraint, self.defaults_from = \
             _plan(Path(input), self.options)
         self.input = self.spec.input
@@ -158,9 +159,21 @@ class Job:
         if self.from_stdin and not self._stdin_taken:
             self._take_stdin()
             self._stdin_taken = True
-        self._refuse_if_running()
-        self._refuse_another_job()
-        check_paths(self.spec)
+        try:
+            self._refuse_if_running()
+            self._refuse_another_job()
+            check_paths(self.spec)
+        except BaseException:
+            self.discard_spool()
+            raise
+
+    def discard_spool(self) -> None:
+        """Remove the rows this Job spooled from stdin when no job began with them (no
+        job.json): a start that failed leaves nothing to block the next one."""
+        spec = self.spec
+        if self._spool_written and not (spec.job_dir / "job.json").exists():
+            spec.input.unlink(missing_ok=True)
+            self._spool_written = False
 
     def _refuse_if_running(self) -> None:
         from batchrun.job.listing import running_pid
@@ -224,6 +237,10 @@ class Job:
         except ownership.OutputConflict as e:
             raise JobConflict(str(e)) from None
         self._refuse_if_running()
+        if manifest is not None and not spec.restart and not target.exists():
+            # A job of a file's rows (a stdin job keeps its spool): refused before any write.
+            raise JobConflict(different_job(spec.job_dir, [
+                f"the input changed: {manifest['input'].get('path')} -> rows from stdin"]))
         partial = target.with_name(f".{target.name}.partial")
         stream = self._stdin if self._stdin is not None else _stdin_bytes()
         try:
@@ -235,11 +252,14 @@ class Job:
                 raise JobConflict(different_job(spec.job_dir, [
                     f"the input changed: the rows on stdin differ from those the job read "
                     f"({target})"]))
-            if target.exists() and manifest is None:  # a start that stopped before the job
-                raise JobConflict(                  # began left it, or it is not batchrun's
+            if target.exists() and manifest is None and not spec.restart:
+                # a start that stopped before the job began left it, or it is not batchrun's
+                raise JobConflict(
                     f"{target} holds other rows than those on stdin, and {spec.job_dir} holds "
-                    f"no job yet: pass another --job-dir, or move {target} away")
+                    f"no job yet: pass --restart to replace them, another --job-dir, or move "
+                    f"{target} away")
             os.replace(partial, target)
+            self._spool_written = manifest is None or spec.restart
             fsync_folder(spec.job_dir)
         except OSError as e:
             raise JobError(f"cannot keep the rows from stdin in {target}: "
@@ -252,6 +272,7 @@ class Job:
         """The job folder's durable progress when this same job (input and options: `check`;
         the model's files: fingerprinted, not loaded) already has a record for every row, so
         nothing is left to run; else None."""
+        from batchrun.job.listing import report_problem
         from batchrun.job.state import DamagedFile, JobState, read_json
 
         spec = self.spec
@@ -260,8 +281,9 @@ class Job:
         try:
             progress = JobState(spec.job_dir, spec.results_path, spec.errors_path).saved()
             saved = read_json(spec.job_dir / "job.json")
-            if read_json(spec.job_dir / "report.json") is None:
-                return None  # a run writes it
+            report = read_json(spec.job_dir / "report.json")
+            if report is None or report_problem(report):
+                return None  # a run writes it, or rewrites a damaged one
             if saved["model"]["fingerprint"] != self.model_fp():
                 return None  # other weights: the run refuses the job, saying so
         except (DamagedFile, KeyError, TypeError):
@@ -287,14 +309,24 @@ class Job:
                 self.runner = _local_runner(self)
             return
         self.check()
+        if not self.spec.restart:
+            _drop_damaged_runs(self.spec.job_dir)
         if self.runner is None:
-            self.runner = (_ray_runner if self.options.ray_address else _local_runner)(self)
+            try:
+                self.runner = (_ray_runner if self.options.ray_address else _local_runner)(self)
+            except Exception:  # a bad model: Ctrl-C keeps the spool (the hint names it)
+                self.discard_spool()
+                raise
 
     def run(self) -> dict:
         """Process every pending row; returns report.json's content. Raises
         batchrun.job.runner.Interrupted after Ctrl-C (progress kept)."""
         self.prepare()
-        self.report = self.runner.run()
+        try:
+            self.report = self.runner.run()
+        except Exception:
+            self.discard_spool()
+            raise
         return self.report
 
     def results(self) -> Iterator[dict]:
@@ -499,6 +531,32 @@ def _shown(value: Any, limit: int = 60) -> str:
         return f"{value:g}" if isinstance(value, float) else str(value)
     text = json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _drop_damaged_runs(job_dir: Path) -> None:
+    """Drop from report.json the earlier runs a resume could not carry into its report (a
+    damaged or hand-edited run: a text field that is not text), saying so. The report is a
+    summary: the results are kept."""
+    import orjson
+
+    from batchrun.io.files import write_atomic
+    from batchrun.job.listing import run_problem
+    from batchrun.job.state import DamagedFile, read_json
+
+    path = Path(job_dir) / "report.json"
+    try:
+        report = read_json(path)
+    except DamagedFile:
+        return  # the run replaces it, saying so
+    runs = report.get("runs") if report else None
+    if not isinstance(runs, list):
+        return
+    kept = [r for r in runs if run_problem(r) is None]
+    if len(kept) < len(runs):
+        log.warning("%s: %d earlier run(s) damaged (%s); their figures are dropped (the "
+                    "results are not)", path, len(runs) - len(kept),
+                    next(run_problem(r) for r in runs if run_problem(r)))
+        write_atomic(path, orjson.dumps({**report, "runs": kept}, option=orjson.OPT_INDENT_2))
 
 
 def _stdin_bytes() -> BinaryIO:

@@ -47,19 +47,25 @@ def _fail(message: str, hint: str | None = None, code: int = 1) -> click.ClickEx
 def resume_command(args: list[str], spooled: Path | None = None) -> str:
     """The command that resumes this job: the same arguments, never --restart (following a
     printed hint must not discard progress). A job that read stdin resumes from the rows it
-    spooled (`spooled`), given in place of `-`."""
+    spooled (`spooled`), given in place of `-`; a job file whose input is `-` (its options are
+    in the file) is given them on stdin."""
     kept = [a for a in args if a != "--restart"]
-    if spooled is not None:
-        kept = _input_replaced(kept, str(spooled))
-    return f"batchrun run {' '.join(_quote(a) for a in kept)}".strip()
+    command = f"batchrun run {' '.join(_quote(a) for a in kept)}".strip()
+    if spooled is None:
+        return command
+    replaced = _input_replaced(kept, str(spooled))
+    if replaced is None:
+        return f"{command} < {_quote(str(spooled))}"
+    return f"batchrun run {' '.join(_quote(a) for a in replaced)}".strip()
 
 
-def _input_replaced(args: list[str], path: str) -> list[str]:
-    """`args` with the input argument `-` (not the `-` of `-o -`) replaced by `path`."""
+def _input_replaced(args: list[str], path: str) -> list[str] | None:
+    """`args` with the input argument `-` (not the `-` of `-o -`) replaced by `path`; None
+    without one."""
     for i, arg in enumerate(args):
         if arg == STDIN and (i == 0 or args[i - 1] not in ("-o", "--output")):
             return [*args[:i], path, *args[i + 1:]]
-    return args
+    return None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"],
@@ -200,16 +206,23 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
     to stdout, in input order, once the job is done (its folder keeps them too); progress and
     messages go to stderr.
     """
+    job_file = None
+    if input_path.suffix.lower() == ".toml":
+        job_file = input_path
+        opts = _merge_job_file(ctx, input_path, opts)
+        input_path = opts.pop("input")
     to_stdout = _is_dash(opts["output"])
     spooled: list[Path] = []  # the stdin job's input, once spooled
     try:
         with _stdout_to_stderr(to_stdout):
-            code, spec = _run(ctx, input_path, opts, spooled)
+            code, spec = _run(ctx, input_path, opts, spooled, job_file)
     except KeyboardInterrupt:  # before the job's own Ctrl-C handling (loading), or a second one
         click.echo("interrupted: progress so far is kept; run the same command to resume "
                    f"({resume_command(sys.argv[2:], *spooled[:1])})", err=True)
         ctx.exit(130)
-    if to_stdout and spec is not None:
+    if isinstance(spec, str):  # a dry run's findings: on stdout, -o - or not
+        click.echo(spec)
+    elif to_stdout and spec is not None:
         _print_results(spec.results_path)
     if code:
         ctx.exit(code)
@@ -255,16 +268,12 @@ def _print_results(results: Path) -> None:
     stdout.flush()
 
 
-def _run(ctx: click.Context, input_path: Path, opts: dict,
-         spooled: list[Path]) -> tuple[int, object]:
-    """Run the job; (exit code, its spec) when it ends with every row recorded."""
+def _run(ctx: click.Context, input_path: Path, opts: dict, spooled: list[Path],
+         job_file: Path | None) -> tuple[int, object]:
+    """Run the job (its job file's values merged into `opts`); (exit code, its spec) when it
+    ends with every row recorded."""
     from batchrun.engine.load import keep_torch_out
 
-    job_file = None
-    if input_path.suffix.lower() == ".toml":
-        job_file = input_path
-        opts = _merge_job_file(ctx, input_path, opts)
-        input_path = opts.pop("input")
     debug = opts.pop("debug")
     fail_on_row_errors = opts.pop("fail_on_row_errors", False)
     moved = opts.pop("_output_follows_job_dir", False)
@@ -283,8 +292,7 @@ def _run(ctx: click.Context, input_path: Path, opts: dict,
     if not opts.get("vision"):
         keep_torch_out(opts.get("model"))  # before anything imports transformers
     if dry_run:
-        _dry_run(input_path, opts, debug)
-        return 0, None
+        return 0, _dry_run(input_path, opts, debug)
 
     from batchrun.api import Job, UsageError
     from batchrun.job import report as rp
@@ -323,8 +331,10 @@ def _run(ctx: click.Context, input_path: Path, opts: dict,
                    err=True)
         ctx.exit(128 + e.signum)
     except JobError as e:
+        job.discard_spool()
         raise _fail(str(e), code=e.exit_code) from None
     except OSError as e:
+        job.discard_spool()
         if debug:
             raise
         raise _fail(f"{e.strerror or e}: {e.filename or ''}".rstrip(": "),
@@ -361,9 +371,9 @@ def _check_stdin(opts: dict, dry_run: bool) -> None:
                                "in DIR/stdin.jsonl, so the job can resume")
 
 
-def _dry_run(input_path: Path, opts: dict, debug: bool) -> None:
-    """Count, measure and estimate; print the findings on stdout. Rows from stdin are spooled
-    to a temporary file (no job folder is made)."""
+def _dry_run(input_path: Path, opts: dict, debug: bool) -> str:
+    """Count, measure and estimate; the findings, for stdout. Rows from stdin are spooled to a
+    temporary file (no job folder is made)."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="batchrun-dry-run-") as tmp:
@@ -372,10 +382,10 @@ def _dry_run(input_path: Path, opts: dict, debug: bool) -> None:
 
             input_path = Path(tmp) / f"stdin.{opts.get('format') or 'jsonl'}"
             spool(sys.stdin.buffer, input_path)
-        _dry_run_file(input_path, opts, debug)
+        return _dry_run_file(input_path, opts, debug)
 
 
-def _dry_run_file(input_path: Path, opts: dict, debug: bool) -> None:
+def _dry_run_file(input_path: Path, opts: dict, debug: bool) -> str:
     from batchrun.api import Job, UsageError
     from batchrun.io.jsonl import InputError
     from batchrun.job.runner import JobError
@@ -392,7 +402,7 @@ def _dry_run_file(input_path: Path, opts: dict, debug: bool) -> None:
         found = job.dry_run()
     except (InputError, JobError) as e:
         raise _fail(str(e)) from None
-    click.echo(describe_dry_run(found))
+    return describe_dry_run(found)
 
 
 def _say_where(spec, failed: int) -> None:
@@ -509,6 +519,9 @@ def _merge_job_file(ctx: click.Context, path: Path, opts: dict) -> dict:
         if key == "input":
             merged["input"] = Path(value) if value == STDIN else path.parent / value
             continue
+        if key == "output" and value == STDIN:  # stdout, as with -o -
+            merged["output"] = Path(STDIN)
+            continue
         if key == "output" and ctx.get_parameter_source("job_dir") is ParameterSource.COMMANDLINE:
             # The job's state moves to another folder: so does its output, or two jobs would
             # write one file.
@@ -546,6 +559,13 @@ def _job_file_value(ctx: click.Context, param: click.Parameter, path: Path, key:
         raise click.UsageError(f"{path}: {key} takes one value, got {value!r}")
     if param.multiple and not isinstance(value, list | tuple):
         value = (value,)
+    is_flag = isinstance(param, click.Option) and param.is_flag
+    for v in value if param.multiple else (value,):
+        if isinstance(v, bool) and not is_flag:  # TOML true is not the number 1
+            raise click.UsageError(f"{path}: {key} = {str(v).lower()}: a value is needed, "
+                                   "not true or false")
+        if isinstance(v, float) and isinstance(param.type, click.types.IntParamType):
+            raise click.UsageError(f"{path}: {key} = {v!r}: {v!r} is not a valid integer")
     try:
         return param.type_cast_value(ctx, value)
     except click.BadParameter as e:
@@ -647,6 +667,7 @@ def _read_job(job_dir: Path) -> tuple[dict, dict | None]:
     line (exit 1) for a folder that is not a job's or whose files are damaged."""
     from batchrun.job import manifest as mf
     from batchrun.job import report as rp
+    from batchrun.job.listing import report_problem
     from batchrun.job.state import DamagedFile, read_json
 
     try:
@@ -656,9 +677,15 @@ def _read_job(job_dir: Path) -> tuple[dict, dict | None]:
         report = read_json(job_dir / "report.json")
     except DamagedFile as e:
         raise _fail(str(e)) from None
-    if report is not None and not rp.well_formed(report):
-        raise _fail(f"{job_dir / 'report.json'} is damaged (fields are missing)",
-                    "resume the job with batchrun run: it rewrites the report")
+    if not isinstance(manifest["input"].get("path"), str):
+        raise _fail(f"{job_dir / 'job.json'} is damaged (input.path is missing)",
+                    f"move the job folder {job_dir} away to start over")
+    if report is not None:
+        problem = report_problem(report) or (None if rp.well_formed(report)
+                                             else "fields are missing")
+        if problem:
+            raise _fail(f"{job_dir / 'report.json'} is damaged ({problem})",
+                        "resume the job with batchrun run: it rewrites the report")
     return manifest, report
 
 

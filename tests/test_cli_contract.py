@@ -573,3 +573,118 @@ def test_openai_rows_through_a_job_file_keep_the_shape(tmp_path, url):
     kind = ChatCompletion if "chat" in url else Completion
     for line in jsonl(tmp_path / "job" / "results.jsonl"):
         kind.model_validate(line["response"]["body"])
+
+
+# -- hostile review 17: damaged job files, stdin spools, job files, ls, dry runs -------------------
+
+def damaged_copy(job: Path, name: str, file: str, edit) -> Path:
+    """A copy of the job folder `job` whose JSON `file` went through `edit` (a hand edit)."""
+    folder = job.parent / name
+    shutil.copytree(job, folder)
+    data = orjson.loads((folder / file).read_bytes())
+    edit(data)
+    (folder / file).write_bytes(orjson.dumps(data))
+    return folder
+
+
+def test_status_and_report_say_damaged_job_files_in_one_line(tmp_path):
+    job = tmp_path / "job"
+    run(write_rows(tmp_path / "rows.jsonl", rows_of(2)), "--job-dir", job)
+    no_path = damaged_copy(job, "no_path", "job.json", lambda m: m["input"].pop("path"))
+    bad_status = damaged_copy(job, "bad_status", "report.json",
+                              lambda r: r["runs"][-1].update(status=["x"]))
+    for folder, said in ((no_path, "job.json is damaged (input.path"),
+                         (bad_status, "report.json is damaged (run 1: status")):
+        for command in ("status", "report"):
+            result = invoke(command, folder)
+            assert result.exit_code == 1 and isinstance(result.exception, SystemExit), \
+                result.output
+            assert said in result.output and "Traceback" not in result.output
+
+
+def test_a_resume_drops_damaged_earlier_runs_and_rewrites_the_report(tmp_path):
+    rows = write_rows(tmp_path / "rows.jsonl", rows_of(2))
+    run(rows, "--job-dir", tmp_path / "job")
+    job = damaged_copy(tmp_path / "job", "damaged", "report.json",
+                       lambda r: r["runs"][0].update(started=12345))
+    run(rows, "--job-dir", job)
+    runs = orjson.loads((job / "report.json").read_bytes())["runs"]
+    assert runs and all(isinstance(r["started"], str) for r in runs)
+    assert invoke("report", job).exit_code == 0
+
+
+def test_a_stdin_job_that_never_began_keeps_no_spool(tmp_path):
+    job = tmp_path / "job"
+    assert invoke("run", "-", "--job-dir", job, "--quiet", input="").exit_code == 1  # no rows
+    assert not (job / "stdin.jsonl").exists()
+    data = jsonl_text(rows_of(2))
+    result = invoke("run", "-", "--job-dir", job, "--quiet", "--model", tmp_path / "nowhere",
+                    input=data)
+    assert result.exit_code == 1 and not (job / "stdin.jsonl").exists(), result.output
+    (job / "stdin.jsonl").write_text(jsonl_text(rows_of(1)))  # left by an older start
+    assert invoke("run", "-", "--job-dir", job, "--quiet", input=data).exit_code == 2
+    result = CliRunner().invoke(cli, ["run", "-", "--job-dir", str(job), "--quiet",
+                                      "--restart"], input=data)
+    assert result.exit_code == 0, result.output
+    assert line_count(job / "results.jsonl") == 2
+
+
+def jsonl_text(rows: list[dict]) -> str:
+    return "".join(orjson.dumps(r).decode() + "\n" for r in rows)
+
+
+def test_a_refused_stdin_job_writes_nothing_into_another_jobs_folder(tmp_path, monkeypatch):
+    job = tmp_path / "job"
+    run(write_rows(tmp_path / "rows.jsonl", rows_of(2)), "--job-dir", job)
+    before = sorted(p.name for p in job.iterdir())
+    no_model(monkeypatch)
+    result = invoke("run", "-", "--job-dir", job, "--quiet", input=jsonl_text(rows_of(2)))
+    assert result.exit_code == 2 and "holds a different job" in result.output, result.output
+    assert sorted(p.name for p in job.iterdir()) == before
+
+
+def test_the_resume_hint_of_a_job_file_reading_stdin_gives_it_the_spooled_rows():
+    assert resume_command(["jf/job.toml", "--quiet"], Path("jf/job/stdin.jsonl")) == \
+        "batchrun run jf/job.toml --quiet < jf/job/stdin.jsonl"
+
+
+def test_a_job_file_output_dash_writes_to_stdout(tmp_path):
+    write_rows(tmp_path / "rows.jsonl", rows_of(2))
+    (tmp_path / "job.toml").write_text('input = "rows.jsonl"\noutput = "-"\n')
+    code, out, err = cli_process("run", tmp_path / "job.toml", "--quiet")
+    assert code == 0, err
+    assert [r["custom_id"] for r in map(orjson.loads, out.splitlines())] == ["r0", "r1"]
+    assert not (tmp_path / "-").exists()
+
+
+@pytest.mark.parametrize("line", ["max_tokens = 1.9", "max_thinking_tokens = true",
+                                  "temperature = true"])
+def test_job_file_numbers_are_not_coerced(tmp_path, monkeypatch, line):
+    no_model(monkeypatch)
+    write_rows(tmp_path / "rows.jsonl", rows_of(2))
+    (tmp_path / "job.toml").write_text(f'input = "rows.jsonl"\n{line}\n')
+    result = invoke("run", tmp_path / "job.toml", "--quiet")
+    assert result.exit_code == 2, result.output
+    assert "job.toml" in result.output and line.split()[0] in result.output
+
+
+def test_ls_notes_linked_and_damaged_folders_it_skips(tmp_path, monkeypatch):
+    run(write_rows(tmp_path / "rows.jsonl", rows_of(2)), "--job-dir", tmp_path / "elsewhere")
+    root = tmp_path / "jobs"
+    root.mkdir()
+    (root / "linked").symlink_to(tmp_path / "elsewhere")
+    damaged_copy(tmp_path / "elsewhere", "negative", "report.json",
+                 lambda r: r.update(rows_total=-5)).rename(root / "negative")
+    no_model(monkeypatch)
+    result = invoke("ls", root)
+    assert result.exit_code == 0, result.output
+    assert f"skipped {root / 'linked'}: a link" in result.stderr
+    assert f"skipped {root / 'negative'}" in result.stderr and "rows_total" in result.stderr
+    assert "-5" not in result.stdout
+
+
+def test_a_dry_run_with_output_to_stdout_prints_its_findings_on_stdout(tmp_path):
+    write_rows(tmp_path / "rows.jsonl", rows_of(2))
+    code, out, err = cli_process("run", tmp_path / "rows.jsonl", "--dry-run", "-o", "-")
+    assert code == 0, err
+    assert out.decode().startswith("rows:          2")

@@ -93,12 +93,15 @@ def read_job(job_dir: Path) -> JobSummary:
     manifest = mf.saved_manifest(job_dir)
     if manifest is None:
         raise NotAJob(f"{job_dir} is not a batchrun job folder (no job.json)")
+    if not isinstance(manifest["input"].get("path"), str):
+        raise DamagedFile(f"{job_dir / 'job.json'} is damaged (input.path is missing)")
     pid = running_pid(job_dir)
     results = _records_path(manifest, job_dir)
     progress = JobState(job_dir, results, job_dir / "errors.jsonl").saved()
     report = read_json(job_dir / "report.json")
-    if report is not None and not _usable(report):
-        raise DamagedFile(f"{job_dir / 'report.json'} is damaged (fields are missing)")
+    problem = report_problem(report) if report is not None else None
+    if problem:
+        raise DamagedFile(f"{job_dir / 'report.json'} is damaged ({problem})")
     total = report["rows_total"] if report is not None else _count_input(manifest)
     status = _status(pid, progress, total, report)
     return JobSummary(job_dir, str(manifest["model"].get("name")), str(manifest["input"]["path"]),
@@ -109,15 +112,21 @@ def list_jobs(root: Path) -> tuple[list[JobSummary], list[str]]:
     """The job folders in `root` (or `root` itself if it is one), by name, and a note for each
     folder skipped (not a job's, or damaged)."""
     root = Path(root)
+    links: list[Path] = []
     if (root / "job.json").is_file():
         folders = [root]
     else:
         try:
-            folders = sorted(Path(e.path) for e in os.scandir(root)
-                             if e.is_dir(follow_symlinks=False) and not e.name.startswith("."))
+            entries = sorted((e for e in os.scandir(root) if not e.name.startswith(".")),
+                             key=lambda e: e.name)
+            folders = [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)]
+            links = [Path(e.path) for e in entries if e.is_symlink() and e.is_dir()]
         except OSError as e:
             return [], [f"cannot list {root}: {e.strerror or e}"]
     jobs, notes = [], []
+    for link in links:  # never followed: a link may lead out of root, or back into it
+        notes.append(f"skipped {link}: a link to a folder, not followed (list "
+                     f"{link.resolve()} itself)")
     for folder in folders:
         try:
             jobs.append(read_job(folder))
@@ -138,10 +147,45 @@ def _records_path(manifest: dict, job_dir: Path) -> Path:
     return job_dir / "results.jsonl" if output.suffix.lower() == ".parquet" else output
 
 
-def _usable(report: dict) -> bool:
+# A report.json run's figures that the summary and the report page print, or sum over runs.
+RUN_NUMBERS = ("wall_s", "rows_done", "rows_failed", "prompt_tokens", "cached_prompt_tokens",
+               "completion_tokens", "prefill_time_s", "decode_time_s", "decode_tokens",
+               "decode_steps", "completion_tokens_per_s", "requests_per_s", "mean_batch_size",
+               "peak_memory_bytes", "max_concurrency")
+
+
+def report_problem(report: dict) -> str | None:
+    """What makes report.json unusable by `status`, `report` or a resume (a hand-edited or
+    damaged value), in words; None if nothing does."""
+    total = report.get("rows_total")
+    if type(total) is not int or total < 0:
+        return f"rows_total is {total!r}, not a count of rows"
     runs = report.get("runs")
-    return type(report.get("rows_total")) is int and isinstance(runs, list) \
-        and all(isinstance(r, dict) for r in runs)
+    if not isinstance(runs, list):
+        return "runs is not a list"
+    for i, run in enumerate(runs, 1):
+        problem = run_problem(run)
+        if problem:
+            return f"run {i}: {problem}"
+    return None
+
+
+def run_problem(run: object) -> str | None:
+    """What makes one of report.json's runs unusable, in words; None if nothing does."""
+    if not isinstance(run, dict):
+        return "not an object"
+    for key in ("started", "status"):
+        if not isinstance(run.get(key), str):
+            return f"{key} is {run.get(key)!r}, not text"
+    for key in RUN_NUMBERS:
+        if type(run.get(key)) not in (int, float):
+            return f"{key} is {run.get(key)!r}, not a number"
+    timeline = run.get("timeline")
+    if timeline is not None and not (isinstance(timeline, list) and all(
+            isinstance(p, list) and len(p) == 4 and all(type(x) in (int, float) for x in p)
+            for p in timeline)):
+        return "timeline is damaged"
+    return None
 
 
 def _count_input(manifest: dict) -> int | None:

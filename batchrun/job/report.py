@@ -183,9 +183,10 @@ def previous_runs(job_dir: Path) -> list[dict]:
 
 
 def _well_formed(run: object) -> bool:
-    return isinstance(run, dict) and all(
-        type(run.get(k)) in (int, float)
-        for k in (*SUM_FIELDS, "peak_memory_bytes", "max_concurrency", "mean_batch_size"))
+    return isinstance(run, dict) and isinstance(run.get("started"), str) \
+        and isinstance(run.get("status"), str) and all(
+            type(run.get(k)) in (int, float)
+            for k in (*SUM_FIELDS, "peak_memory_bytes", "max_concurrency", "mean_batch_size"))
 
 
 _SUMMARY_NUMBERS = ("peak_memory_bytes", "rows_done", "rows_failed", "rows_pending", "rows_total",
