@@ -309,8 +309,6 @@ class Job:
                 self.runner = _local_runner(self)
             return
         self.check()
-        if not self.spec.restart:
-            _drop_damaged_runs(self.spec.job_dir)
         if self.runner is None:
             try:
                 self.runner = (_ray_runner if self.options.ray_address else _local_runner)(self)
@@ -531,32 +529,6 @@ def _shown(value: Any, limit: int = 60) -> str:
         return f"{value:g}" if isinstance(value, float) else str(value)
     text = json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
     return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def _drop_damaged_runs(job_dir: Path) -> None:
-    """Drop from report.json the earlier runs a resume could not carry into its report (a
-    damaged or hand-edited run: a text field that is not text), saying so. The report is a
-    summary: the results are kept."""
-    import orjson
-
-    from batchrun.io.files import write_atomic
-    from batchrun.job.listing import run_problem
-    from batchrun.job.state import DamagedFile, read_json
-
-    path = Path(job_dir) / "report.json"
-    try:
-        report = read_json(path)
-    except DamagedFile:
-        return  # the run replaces it, saying so
-    runs = report.get("runs") if report else None
-    if not isinstance(runs, list):
-        return
-    kept = [r for r in runs if run_problem(r) is None]
-    if len(kept) < len(runs):
-        log.warning("%s: %d earlier run(s) damaged (%s); their figures are dropped (the "
-                    "results are not)", path, len(runs) - len(kept),
-                    next(run_problem(r) for r in runs if run_problem(r)))
-        write_atomic(path, orjson.dumps({**report, "runs": kept}, option=orjson.OPT_INDENT_2))
 
 
 def _stdin_bytes() -> BinaryIO:

@@ -47,6 +47,7 @@ import orjson
 
 import batchrun
 from batchrun.engine.request import EngineStats
+from batchrun.job.listing import run_problem
 from batchrun.job.sink import Record
 from batchrun.job.state import DamagedFile, JobState, Progress, read_json, write_atomic
 
@@ -179,14 +180,14 @@ def previous_runs(job_dir: Path) -> list[dict]:
         log.warning("%s; the figures of earlier runs are lost (the results are not)", e)
         return []
     runs = report.get("runs") if report else None
-    return [r for r in runs if _well_formed(r)] if isinstance(runs, list) else []
-
-
-def _well_formed(run: object) -> bool:
-    return isinstance(run, dict) and isinstance(run.get("started"), str) \
-        and isinstance(run.get("status"), str) and all(
-            type(run.get(k)) in (int, float)
-            for k in (*SUM_FIELDS, "peak_memory_bytes", "max_concurrency", "mean_batch_size"))
+    if not isinstance(runs, list):
+        return []
+    problems = [p for r in runs if (p := run_problem(r)) is not None]
+    if problems:
+        log.warning("%s: %d earlier run(s) damaged (first: %s); their figures are dropped (the "
+                    "results are not)", Path(job_dir) / "report.json", len(problems),
+                    problems[0])
+    return [r for r in runs if run_problem(r) is None]
 
 
 _SUMMARY_NUMBERS = ("peak_memory_bytes", "rows_done", "rows_failed", "rows_pending", "rows_total",
