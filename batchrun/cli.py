@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -213,19 +214,34 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
         input_path = opts.pop("input")
     to_stdout = _is_dash(opts["output"])
     spooled: list[Path] = []  # the stdin job's input, once spooled
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:  # SIGTERM before the job's own handling (loading, recovering) stops too
+        previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         with _stdout_to_stderr(to_stdout):
             code, spec = _run(ctx, input_path, opts, spooled, job_file)
-    except KeyboardInterrupt:  # before the job's own Ctrl-C handling (loading), or a second one
-        click.echo("interrupted: progress so far is kept; run the same command to resume "
+    except KeyboardInterrupt as e:  # before the job's own handling (loading), or a second one
+        how = "stopped by SIGTERM" if isinstance(e, Terminated) else "interrupted"
+        click.echo(f"{how}: progress so far is kept; run the same command to resume "
                    f"({resume_command(sys.argv[2:], *spooled[:1])})", err=True)
-        ctx.exit(130)
+        ctx.exit(128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT))
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     if isinstance(spec, str):  # a dry run's findings: on stdout, -o - or not
         click.echo(spec)
     elif to_stdout and spec is not None:
         _print_results(spec.results_path)
     if code:
         ctx.exit(code)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived before the job's own signal handling began."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated
 
 
 def _is_dash(path: Path | str | None) -> bool:

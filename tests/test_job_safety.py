@@ -525,3 +525,26 @@ def test_the_first_row_in_input_order_owns_an_id_whatever_order_rows_are_seen_in
     assert error is not None and error.code == "duplicate_custom_id" and "line 1" in \
         error.message
     assert check(3).code == "duplicate_custom_id"
+
+
+def test_sigterm_while_the_model_loads_stops_cleanly_with_exit_143(tmp_path):
+    """Before the job loop installs its own handling: one line, the resume command, 143."""
+    rows = write_rows(tmp_path / "rows.jsonl", [{"custom_id": "r0", "prompt": "hi"}])
+    job = tmp_path / "job"
+    slow_load = (  # the model takes long to load: SIGTERM arrives meanwhile
+        "import sys, time, batchrun.api as api\n"
+        "real = api._local_runner\n"
+        "def slow(job):\n"
+        "    print('loading', file=sys.stderr, flush=True); time.sleep(30); return real(job)\n"
+        "api._local_runner = slow\n"
+        "from batchrun.cli import main\n"
+        f"sys.argv = ['batchrun', 'run', {str(rows)!r}, '--job-dir', {str(job)!r}, '--quiet']\n"
+        "main()\n")
+    proc = subprocess.Popen([sys.executable, "-c", slow_load], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stderr.readline().strip() == "loading"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert err.startswith("stopped by SIGTERM") and "run the same command to resume" in err
+    assert "Traceback" not in err and not (job / "results.jsonl").exists()
