@@ -24,7 +24,6 @@ def make_prefix_cache(model_fingerprint: str, budget_bytes: int, cache_dir: Path
     if cache_dir is not None:
         disk = DiskCache.open(cache_dir, model_fingerprint, block_size, layout, disk_cap_bytes)
         if disk is not None:
-            cache.fallback = disk.load
             cache.prefetch = disk.load_many
             cache.on_store = disk.save_later  # written beside the engine
             cache.disk = disk

@@ -104,14 +104,12 @@ class PrefixCache:
     blocks: OrderedDict[bytes, Block] = field(default_factory=OrderedDict)
     nbytes: int = 0
     stats: CacheStats = field(default_factory=CacheStats)
-    # Called for blocks that are not in memory: returns the block from disk, or None.
-    fallback: Callable[[bytes], Block | None] | None = None
     # Called with the keys of a prompt's blocks that are not in memory: their blocks from disk
-    # (None where absent), read together; replaces `fallback` in `match`.
+    # (None where absent), read together.
     prefetch: Callable[[list[bytes]], dict[bytes, Block | None]] | None = None
     # Called with the blocks each store() added: writes them to disk.
     on_store: Callable[[list[Block]], None] | None = None
-    disk: object | None = None  # the DiskCache behind fallback / on_store, if any
+    disk: object | None = None  # the DiskCache behind prefetch / on_store, if any
 
     def keys_for(self, tokens: list[int], media: Media = ()) -> list[bytes]:
         # Leave at least one token uncached: the engine must compute the last prompt token.
@@ -124,7 +122,7 @@ class PrefixCache:
         if self.prefetch is not None:
             self._load(keys)
         for i, key in enumerate(keys):
-            block = self._get(key, disk=self.prefetch is None)
+            block = self._get(key)
             span = tuple(tokens[i * self.block_size: (i + 1) * self.block_size])
             if block is None or block.tokens != span:
                 break
@@ -160,16 +158,10 @@ class PrefixCache:
         if self.disk is not None:
             self.disk.flush()
 
-    def _get(self, key: bytes, disk: bool = True) -> Block | None:
+    def _get(self, key: bytes) -> Block | None:
         block = self.blocks.get(key)
         if block is not None:
             self.blocks.move_to_end(key)
-            return block
-        if disk and self.fallback is not None:
-            block = self.fallback(key)
-            if block is not None:
-                self.stats.disk_loaded_blocks += 1
-                self.put(block)
         return block
 
     def store(self, tokens: list[int], layer_kv: list[tuple[mx.array, mx.array]],

@@ -203,7 +203,7 @@ def _build(value: Any, index: int, line: int, custom_id: str, prompts: PromptBui
         # A seed from the job's base seed and the row's position: the same row samples the
         # same text on every run, resumed or not, whatever else shares its batch.
         params = dataclasses.replace(params, seed=row_seed(index, options.defaults.seed or 0))
-    raw_prompt = openai == "completion" or (openai is None and "prompt" in body)
+    raw_prompt = _is_raw_prompt(body, openai)
     if raw_prompt or _asks_thinking(body):  # a raw prompt's text is never read as reasoning
         params = dataclasses.replace(params, thinking=not raw_prompt)
     model = body.get("model") if openai else None
@@ -218,6 +218,11 @@ def _build(value: Any, index: int, line: int, custom_id: str, prompts: PromptBui
     tools = body.get("tools") if body.get("tool_choice") != "none" else None
     return Task(index, line, custom_id, ids, params, openai, model, n, vision,
                 tools if isinstance(tools, list) and tools else None, chat=not raw_prompt)
+
+
+def _is_raw_prompt(body: dict, openai: str | None) -> bool:
+    """A `prompt` row or a /v1/completions body: its text goes to the model untemplated."""
+    return openai == "completion" or (openai is None and "prompt" in body)
 
 
 def _asks_thinking(body: dict) -> bool:
@@ -259,7 +264,7 @@ def _prompt_ids(body: dict, openai: str | None, prompts: PromptBuilder, options:
                 row: dict) -> tuple[list[int], Any]:
     """The prompt's token ids, and the processor inputs of a row with images."""
     column_image = row.get(options.image_column) if options.image_column else None
-    if openai == "completion" or (openai is None and "prompt" in body):
+    if _is_raw_prompt(body, openai):
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise RowRejected("invalid_prompt", "prompt must be a string")
