@@ -18,6 +18,7 @@ from batchrun.cache import make_prefix_cache
 from batchrun.cache.layout import block_layout
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.engine.tokens import common_length
 from batchrun.models import LoadedModel, load_model
 from batchrun.models.build import SHAPES, build, corpus
 
@@ -115,7 +116,7 @@ def run_hand_cached(lm: LoadedModel, w: Workload, concurrency: int) -> Measureme
     from mlx_lm.models.cache import make_prompt_cache
 
     start = time.perf_counter()
-    n = _common_prefix(w.prompts)
+    n = common_length(w.prompts)
     cache = make_prompt_cache(lm.model)
     if n:
         lm.model(mx.array(w.prompts[0][:n])[None], cache=cache)
@@ -126,15 +127,6 @@ def run_hand_cached(lm: LoadedModel, w: Workload, concurrency: int) -> Measureme
                          return_token_ids=True)
     return Measurement("mlx-lm batch_generate, prefix prefilled once", time.perf_counter() - start,
                        w.prompt_tokens, sum(len(t) for t in out.token_ids))
-
-
-def _common_prefix(prompts: list[list[int]]) -> int:
-    """Tokens all prompts start with, leaving each at least one of its own."""
-    n = min(len(p) for p in prompts) - 1
-    first = prompts[0]
-    for p in prompts[1:]:
-        n = next((i for i in range(n) if p[i] != first[i]), n)
-    return max(0, n)
 
 
 def run_batchrun(lm: LoadedModel, w: Workload, concurrency: int, cache_dir: Path | None = None,

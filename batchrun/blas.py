@@ -53,6 +53,8 @@ class BlasInfo:
         return f"{text} ({self.note})" if self.note else text
 
 
+# OpenBLAS's idle threads sleep after 2^THREAD_TIMEOUT cycles (4 is its least; its default 28).
+THREAD_TIMEOUT = "4"
 _info: BlasInfo | None = None
 _shim: ctypes.CDLL | None = None
 _system_path = ""
@@ -73,6 +75,11 @@ def activate() -> BlasInfo:
         _info = BlasInfo("reference BLAS", "bundled",
                          note="mlx was imported before batchrun; import batchrun first")
     else:
+        # Idle OpenBLAS threads spin for 2^28 cycles (~0.1 s) by default. batchrun has two
+        # OpenBLAS pools (MLX's and NumPy's, for the shared prefix's attention on the CPU),
+        # and on a machine of a few cores one pool's spinning threads starved the other: the
+        # labeling benchmark ran ~1.8x slower. Both pools read this when they load.
+        os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", THREAD_TIMEOUT)
         _info = _load_scipy_openblas() or _load_system_openblas() or BlasInfo(
             "reference BLAS",
             "bundled",

@@ -16,6 +16,7 @@ Writes OUT_DIR/labeling.json and prints a table with ratios.
 import argparse
 import json
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -27,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from batchrun.models.build import review  # noqa: E402  (no MLX import: cheap)
 
 PEER = r'''
-import copy, json, sys
+import copy, json, sys, time
 import batchrun  # the same BLAS routing as batchrun gets
 import mlx.core as mx
 from mlx_lm import load
@@ -36,6 +37,7 @@ from mlx_lm.models.cache import make_prompt_cache
 model_path, rows_path, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
 hand_cached = sys.argv[4] == "1"
 model, tokenizer = load(model_path)
+start = time.perf_counter()  # the job's work: everything after imports and loading the model
 rows = [json.loads(line) for line in open(rows_path)]
 prompts = [tokenizer.apply_chat_template(r["messages"], add_generation_prompt=True) for r in rows]
 n = 0
@@ -54,7 +56,7 @@ with open(rows_path + ".out", "w") as f:
     for t in out.token_ids:
         f.write(json.dumps(t) + "\n")
 with open(rows_path + ".peak", "w") as f:
-    f.write(str(mx.get_peak_memory()))
+    f.write(json.dumps({"peak": mx.get_peak_memory(), "work_s": time.perf_counter() - start}))
 '''
 
 
@@ -114,6 +116,7 @@ def main() -> None:
         if system in ("batchrun", "copies"):
             extra = [] if system == "batchrun" else ["--no-shared-prefix"]
             cache = out / f"cache-{system}"
+            shutil.rmtree(cache, ignore_errors=True)  # cold: an empty cache folder
             for run in ("cold", "warm"):
                 job = out / f"job-{system}-{run}"
                 name = f"batchrun run ({system}, {run})"
@@ -127,17 +130,23 @@ def main() -> None:
             name = ("mlx-lm, prefix prefilled once (peer)" if system == "peer"
                     else "mlx-lm batch_generate")
             results[name] = timed([*peer, "1" if system == "peer" else "0"], out)
-            details[name] = {"peak_memory_bytes": int(Path(f"{rows}.peak").read_text())}
+            peer_run = json.loads(Path(f"{rows}.peak").read_text())
+            details[name] = {"peak_memory_bytes": peer_run["peak"], "wall_s": peer_run["work_s"]}
     peer_s = results.get("mlx-lm, prefix prefilled once (peer)")
     plain_s = results.get("mlx-lm batch_generate")
+    peer_job = details.get("mlx-lm, prefix prefilled once (peer)", {}).get("wall_s")
+    # wall s: the whole process; job s: after imports and the model's load (batchrun: the
+    # report's wall, the peer: its own timer), and its ratio to the peer's.
     lines = [f"{'system':44} {'wall s':>8} {'rows/s':>8} {'vs peer':>8} {'vs plain':>9} "
-             f"{'peak GiB':>9}"]
+             f"{'job s':>7} {'job vs peer':>11} {'peak GiB':>9}"]
     for name, wall in results.items():
         vs_peer = peer_s / wall if peer_s else 0
         vs_plain = plain_s / wall if plain_s else 0
+        job = details.get(name, {}).get("wall_s", 0)
+        job_vs_peer = peer_job / job if peer_job and job else 0
         peak = details.get(name, {}).get("peak_memory_bytes", 0) / 2**30
         lines.append(f"{name:44} {wall:8.2f} {args.rows / wall:8.1f} {vs_peer:7.2f}x "
-                     f"{vs_plain:8.2f}x {peak:9.2f}")
+                     f"{vs_plain:8.2f}x {job:7.2f} {job_vs_peer:10.2f}x {peak:9.2f}")
     print("\n".join(lines))
     (out / "labeling.json").write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d"), "rows": args.rows, "instruction_words":

@@ -33,13 +33,23 @@ import batchrun.engine.shared_prefix as shared_prefix  # noqa: E402
 from batchrun.bench import make_workload, run_hand_cached, warm_up  # noqa: E402
 from batchrun.cache import make_prefix_cache  # noqa: E402
 from batchrun.cache.layout import block_layout  # noqa: E402
+from batchrun.engine import text as text_backend  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
 from batchrun.engine.request import EngineConfig, SamplingParams  # noqa: E402
 from batchrun.models import load_model  # noqa: E402
 
-# name -> (module attribute, value) set for that variant's runs
+
+def knob(key: str) -> tuple:
+    """(module, attribute name) of a variant's key."""
+    module, _, name = key.rpartition(".")
+    return {"": shared_prefix, "text": text_backend}[module], name
+
+
+# name -> {attribute: value} set for that variant's runs: shared_prefix's, or "text.NAME"
+# for the text backend's (engine/text.py)
 VARIANTS = {
     "default": {},
+    "notails": {"text.SHARED_TAILS": False},  # rows compute what they share past blocks
     "step256": {"OWN_STEP": 256},  # mlx-lm's own step for the rows' KV
     "chunks64m": {"MAX_SCORE_ELEMENTS": 1 << 26},
     "chunks4m": {"MAX_SCORE_ELEMENTS": 1 << 22},
@@ -123,11 +133,11 @@ def main() -> None:
     peer = run_hand_cached(lm, w, args.max_concurrency or args.rows)
     result["peer"] = {"wall_s": round(peer.wall_s, 3), "peak_gib": gib(mx.get_peak_memory())}
     print(f"peer: {peer.wall_s:.3f} s, peak {result['peer']['peak_gib']} GiB", flush=True)
-    defaults = {k: getattr(shared_prefix, k) for v in VARIANTS.values() for k in v}
+    defaults = {k: getattr(*knob(k)) for v in VARIANTS.values() for k in v}
     first = None  # the first run's tokens: every other run is compared with them
     for name in args.variants.split(","):
         for key, value in {**defaults, **VARIANTS[name]}.items():
-            setattr(shared_prefix, key, value)
+            setattr(*knob(key), value)
         with tempfile.TemporaryDirectory() as folder:
             for phase in ("cold", "warm"):
                 r = run(lm, w.prompts, args.max_tokens, Path(folder), config)

@@ -24,3 +24,17 @@ def test_reference_blas_can_be_kept_for_comparisons():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={"BATCHRUN_BLAS": "reference", "PATH": ""}, check=True)
     assert out.stdout.split() == ["bundled", "None"]
+
+
+@linux_only
+@pytest.mark.parametrize("given,kept", [(None, blas.THREAD_TIMEOUT), ("20", "20")])
+def test_idle_openblas_threads_sleep_unless_the_user_says_otherwise(given, kept):
+    """MLX's and NumPy's OpenBLAS pools read the timeout when they load: batchrun sets it
+    before either does (spinning threads of one pool starved the other), a user's value
+    stands."""
+    code = ("import os, batchrun, numpy, mlx.core; "
+            "print(os.environ['OPENBLAS_THREAD_TIMEOUT'], batchrun.blas.verify().verified)")
+    env = {"PATH": ""} | ({"OPENBLAS_THREAD_TIMEOUT": given} if given else {})
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True)
+    assert out.stdout.split() == [kept, "True"]

@@ -34,6 +34,12 @@ GREEDY = SamplingParams(max_tokens=10)
 
 
 def run(demo, chats, cache_dir=None, shared=True, prefix=True, concurrency=16, params=GREEDY):
+    outs, engine = run_outputs(demo, chats, cache_dir, concurrency, shared, prefix, params)
+    return [o.token_ids for o in outs], engine
+
+
+def run_outputs(demo, chats, cache_dir=None, concurrency=16, shared=True, prefix=True,
+                params=GREEDY):
     cache = None
     if prefix:
         cache = make_prefix_cache(demo.fingerprint, 1 << 30, cache_dir, block_size=32,
@@ -41,8 +47,7 @@ def run(demo, chats, cache_dir=None, shared=True, prefix=True, concurrency=16, p
     engine = Engine(demo.model, demo.tokenizer,
                     EngineConfig(max_concurrency=concurrency, shared_prefix=shared),
                     demo.context_length, prefix_cache=cache, model_fingerprint=demo.fingerprint)
-    outs = engine.generate(chats, params)
-    return [o.token_ids for o in outs], engine
+    return engine.generate(chats, params), engine
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +128,88 @@ def test_a_row_holds_only_its_own_tokens_in_the_memory_budget(demo, mixed, refer
     assert batches[True] > 2 * batches[False]
 
 
+PREAMBLE = ("Read the customer's review below with care, then answer with a single word "
+            "that names its mood, nothing else. The review:")
+
+
+def tail_rows() -> list[list[dict]]:
+    """Rows that go on sharing ~25 tokens past the instruction's last whole block, one that
+    leaves the preamble early, and one whose whole question is the preamble's start."""
+    chats = [[{"role": "system", "content": FIRST},
+              {"role": "user", "content": f"{PREAMBLE} item {i} is {'fine' if i % 2 else 'bad'}"}]
+             for i in range(12)]
+    chats.insert(5, [{"role": "system", "content": FIRST},
+                     {"role": "user", "content": "Quick one: the kettle leaks."}])
+    chats.append([{"role": "system", "content": FIRST},
+                  {"role": "user", "content": PREAMBLE[:40]}])
+    return chats
+
+
+@pytest.mark.parametrize("concurrency", [1, 64])
+def test_tokens_rows_share_past_their_cached_blocks_are_computed_once(demo, concurrency,
+                                                                      tmp_path):
+    """The instruction and the question's preamble end mid-block: the rows attend one copy of
+    what they share past the blocks too, cold and warm, and every row's tokens are those
+    without a cache."""
+    chats = tail_rows()
+    reference, _ = run(demo, chats, prefix=False)
+    groups = []
+    real = shared_prefix.attention_with_prefix
+
+    def spy(queries, keys, values, cache, scale, mask, sinks=None):
+        groups.append(max(len(rows) for _, rows in cache.groups()))
+        return real(queries, keys, values, cache, scale, mask, sinks)
+
+    shared_prefix.attention_with_prefix = spy
+    try:
+        for _ in ("cold", "warm"):
+            outs, engine = run_outputs(demo, chats, tmp_path, concurrency)
+            assert [o.token_ids for o in outs] == reference
+            cached = [o.cached_tokens for o in outs]
+            blocks = engine.get_cache_stats()["hit_tokens"] // len(chats)
+            preamble = [c for i, c in enumerate(cached) if i not in (5, len(chats) - 1)]
+            assert len(set(preamble)) == 1 and preamble[0] >= blocks + 16  # one long tail
+            assert cached[5] < preamble[0] and cached[-1] < preamble[0]
+            assert outs[-1].prompt_tokens > cached[-1]  # a row keeps a token of its own
+    finally:
+        shared_prefix.attention_with_prefix = real
+    if concurrency == 64:  # the 12 rows with the preamble attend one copy of it together
+        assert max(groups) == 12
+
+
+def test_a_tail_that_fails_to_compute_leaves_the_rows_to_compute_it(demo, monkeypatch,
+                                                                     caplog):
+    from batchrun.engine.text import TextBackend
+
+    chats = tail_rows()
+    reference, _ = run(demo, chats, prefix=False)
+
+    def broken(self, base, tokens):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(TextBackend, "_extend", broken)
+    with caplog.at_level(logging.WARNING, logger="batchrun"):
+        outs, _ = run_outputs(demo, chats, concurrency=64)
+    assert [o.token_ids for o in outs] == reference
+    assert all(o.cached_tokens % 32 == 0 for o in outs)  # the blocks only
+    assert any("RuntimeError: device lost" in r.message for r in caplog.records)
+
+
+def test_a_row_takes_the_longest_kept_tail_it_continues_with():
+    def prefix(tail=()):
+        return SharedPrefix([mx.zeros((1, 1, 4 + len(tail), 2))],
+                            [mx.zeros((1, 1, 4 + len(tail), 2))], tail)
+
+    base = prefix()
+    short, long = base.add_tail(prefix((7, 8))), base.add_tail(prefix((7, 8, 9)))
+    assert base.tail_for([0, 0, 0, 0, 7, 8, 9, 5], 4) is long
+    assert base.tail_for([0, 0, 0, 0, 7, 8, 9], 4) is short  # a token of its own is left
+    assert base.tail_for([0, 0, 0, 0, 7, 1, 9, 5], 4) is None
+    for n in range(shared_prefix.TAILS_KEPT):
+        base.add_tail(prefix((1, n)))
+    assert short not in base.tails and len(base.tails) == shared_prefix.TAILS_KEPT
+
+
 @pytest.mark.parametrize("with_sinks", [False, True])
 @pytest.mark.parametrize("host", [False, True])  # the CPU's NumPy path for large prefix parts
 def test_cascade_attention_equals_attention_over_the_whole_sequence(with_sinks, host,
@@ -192,14 +279,14 @@ def test_the_fused_prefix_part_equals_the_exact_one(dtype, atol):
 
 
 @pytest.mark.parametrize("knobs,dtype,atol", [
-    ({"ASYNC_CHUNKS": True}, mx.float32, 0.0),
+    ({"ASYNC_CHUNKS": True, "ASYNC_WINDOW": None}, mx.float32, 0.0),
     ({"ASYNC_CHUNKS": True, "ASYNC_WINDOW": 2}, mx.float32, 0.0),
     ({"LOW_PRECISION_SCORES": True}, mx.bfloat16, 3e-2),
     ({"LOW_PRECISION_SCORES": True}, mx.float32, 0.0),  # a float32 model keeps float32 scores
 ])
 def test_the_prefix_part_s_speed_knobs_keep_its_result(monkeypatch, knobs, dtype, atol):
-    """Scheduling the evaluated chunks without waiting (whole or windowed) changes nothing;
-    half-precision scores stay within half precision of the float32 ones."""
+    """Scheduling the evaluated chunks without waiting (windowed, the default, or not at all)
+    changes nothing; half-precision scores stay within half precision of the float32 ones."""
     mx.random.seed(2)
     rows, kv_heads, width, D, P = 5, 2, 6, 16, 70
     q = mx.random.normal((rows, kv_heads, width, D)) * 0.5
@@ -207,6 +294,7 @@ def test_the_prefix_part_s_speed_knobs_keep_its_result(monkeypatch, knobs, dtype
     values = mx.random.normal((1, kv_heads, P, D)).astype(dtype)
     monkeypatch.setattr(shared_prefix, "EVAL_CHUNKS_ABOVE", 1)  # a prefill's chunking, small
     monkeypatch.setattr(shared_prefix, "EVAL_CHUNK_ELEMENTS", kv_heads * width * P)
+    monkeypatch.setattr(shared_prefix, "ASYNC_CHUNKS", False)  # each chunk waited for
     want_out, want_lse = shared_prefix._attend_prefix(q, keys.astype(mx.float32),
                                                       values.astype(mx.float32))
     for name, value in knobs.items():

@@ -6,6 +6,7 @@ else: scheduling, prefix planning, recovery, stops, log-probabilities, choices a
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 from batchrun.cache.prefix import Block
@@ -40,8 +41,10 @@ class Backend(Protocol):
     def prepare(self, seq: Sequence) -> str | None:
         """Work a row needs before it joins the batch; why it cannot join, if it cannot."""
 
-    def insert(self, seqs: list[Sequence], blocks: list[list[Block]]) -> list[int]:
-        """Add rows (their prompts past `seq.cached`, the blocks before it); their uids."""
+    def insert(self, seqs: list[Sequence], blocks: list[list[Block]],
+               upcoming: Iterable[Sequence] = ()) -> list[int]:
+        """Add rows (their prompts past `seq.cached`, the blocks before it); their uids.
+        `upcoming`: rows still waiting, which may share more of their prompts with these."""
 
     def next(self) -> tuple[bool, list[Step]]:
         """One step: (whether it ran prompt work, each running row's new token)."""

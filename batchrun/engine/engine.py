@@ -292,7 +292,8 @@ class Engine(Requests, CacheControl):
             ready.append((seq, blocks))
         if not ready:
             return
-        uids = self.backend.insert([s for s, _ in ready], [b for _, b in ready])
+        uids = self.backend.insert([s for s, _ in ready], [b for _, b in ready],
+                                   self.scheduler.waiting)
         now = time.perf_counter()
         for uid, (seq, _) in zip(uids, ready, strict=True):
             self.scheduler.started(seq, uid)

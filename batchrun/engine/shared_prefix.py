@@ -34,18 +34,23 @@ MAX_SCORE_ELEMENTS = 1 << 24
 # ones slower at the same memory). Decode steps stay below it.
 EVAL_CHUNKS_ABOVE = 1 << 26
 EVAL_CHUNK_ELEMENTS = 1 << 25
-# Chunks are scheduled with mx.async_eval (no wait for each before building the next) rather
-# than mx.eval; and a half-precision model's prefix scores stay in its dtype for the two matmuls
-# (softmax statistics in float32, the weights cast back as flash attention does). Knobs for the
-# H200 measurements (scripts/profile_labeling.py variants).
-ASYNC_CHUNKS = False
+# Chunks are scheduled with mx.async_eval (no wait for each before building the next), every
+# ASYNC_WINDOW-th waited for (None: none), which bounds the chunks in flight. Measured on the
+# H200 (512 rows under a 1,000-token prefix, one process): waiting for every chunk 324 / 556
+# rows/s (cold / warm) at 5.9-6.0 GiB; a window of 4, 497 / 589 rows/s at 6.0-6.1 GiB; no
+# window, +3-4 GiB. LOW_PRECISION_SCORES: a half-precision model's prefix scores stay in its
+# dtype for the two matmuls (softmax statistics in float32, the weights cast back as flash
+# attention does): faster warm, but its cold run compiles per chunk shape and greedy tokens
+# change (scripts/profile_labeling.py variants; BENCHMARKS.md).
+ASYNC_CHUNKS = True
+ASYNC_WINDOW: int | None = 4
 LOW_PRECISION_SCORES = False
-# With ASYNC_CHUNKS, every this many chunks one is waited for (None: never), which bounds the
-# chunks in flight (measured unbounded: +3-4 GiB at 512 rows).
-ASYNC_WINDOW: int | None = None
 # On the CPU, prefix parts with at least this many scores go through NumPy (_attend_prefix_host);
-# below it the round trip costs more than MLX's slow exp.
-HOST_MIN_SCORES = 1 << 22
+# below it the round trip costs more than MLX's slow exp. With OpenBLAS's threads not spinning
+# between calls (blas.py) that is small: a decode step's prefix part (64 rows x 2 query heads
+# x 1,000 tokens) is ~3x faster through NumPy; 4M scores (the earlier bound) kept the decode
+# steps and most suffix prefills in MLX, and the labeling benchmark ~1.8x slower.
+HOST_MIN_SCORES = 1 << 14
 # On Metal, the prefix part runs as MLX's fused attention (_attend_prefix_fused), which never
 # holds the score matrix. Not on CUDA: there MLX 0.32 materializes these shapes' scores whole
 # (measured on the H200: 22 GiB peak against 15.8, and no faster).
@@ -58,13 +63,39 @@ _installed: dict[str, Any] = {}  # model module name -> its original attention f
 _refused: set[str] = set()  # model types already logged as unsupported
 
 
-class SharedPrefix:
-    """A prefix's KV for every layer, each (1, kv_heads, length, head_dim): held once."""
+# Tails (tokens rows share past their cached blocks) kept with a prefix for rows to come.
+TAILS_KEPT = 8
 
-    def __init__(self, keys: list[mx.array], values: list[mx.array]):
+
+class SharedPrefix:
+    """A prefix's KV for every layer, each (1, kv_heads, length, head_dim): held once. A
+    prefix made of cached blocks keeps the longer prefixes computed on top of it: its tails,
+    each the blocks' KV followed by the `tail` tokens' (TextBackend._share_tails)."""
+
+    def __init__(self, keys: list[mx.array], values: list[mx.array],
+                 tail: tuple[int, ...] = ()):
         self.keys, self.values = keys, values
         self.length = keys[0].shape[2]
+        self.tail = tail
+        self.tails: list[SharedPrefix] = []  # newest last
         self._host: dict[int, tuple] = {}  # layer -> NumPy (keys transposed, values), CPU only
+
+    def tail_for(self, prompt: list[int], start: int) -> SharedPrefix | None:
+        """The longest kept tail that `prompt` continues with at `start` (where this prefix
+        ends), leaving the prompt a token of its own."""
+        room = len(prompt) - start - 1
+        best = None
+        for t in self.tails:
+            n = len(t.tail)
+            if n <= room and (best is None or n > len(best.tail)) \
+                    and tuple(prompt[start: start + n]) == t.tail:
+                best = t
+        return best
+
+    def add_tail(self, tail: SharedPrefix) -> SharedPrefix:
+        self.tails.append(tail)
+        del self.tails[:-TAILS_KEPT]  # rows running with an older one still hold it
+        return tail
 
     def host(self, layer: int) -> tuple:
         """A layer's keys, transposed for the score matmul, and values as float32 NumPy

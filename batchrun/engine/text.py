@@ -7,7 +7,10 @@ those blocks as its KV cache and only the rest of its prompt to prefill.
 
 from __future__ import annotations
 
+import itertools
+import logging
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 import mlx.core as mx
@@ -21,9 +24,21 @@ from batchrun.engine.prompt import PromptBuilder
 from batchrun.engine.request import EngineConfig, SamplingParams
 from batchrun.engine.sampling import LogitAdjustments, make_sampler
 from batchrun.engine.sequence import Sequence
-from batchrun.engine.shared_prefix import PrefixedCache, SharedPrefix, install
+from batchrun.engine.shared_prefix import (
+    PrefixedCache,
+    SharedPrefix,
+    SharedPrefixBatchCache,
+    install,
+)
+from batchrun.engine.tokens import common_length
 
+log = logging.getLogger("batchrun")
 SHARED_PREFIXES_KEPT = 8  # distinct shared prefixes kept for rows still to come
+SHARED_TAILS = True  # False: rows compute what they share past their blocks each (benchmarks)
+TAIL_PEERS = 256  # waiting rows a shared tail is cut to fit (_share_tails)
+# A tail is computed when the rows sharing it skip, all but one, at least 1/TAIL_PAYBACK of
+# the prefix's length in tokens: it holds a copy of the prefix.
+TAIL_PAYBACK = 4
 
 LEAN_STEP = True  # False: mlx-lm's own GenerationBatch (kept for the side-by-side benchmark)
 
@@ -76,11 +91,14 @@ class TextBackend:
     def prepare(self, seq: Sequence) -> str | None:
         return None
 
-    def insert(self, seqs: list[Sequence], blocks: list[list[Block]]) -> list[int]:
+    def insert(self, seqs: list[Sequence], blocks: list[list[Block]],
+               upcoming: Iterable[Sequence] = ()) -> list[int]:
+        # First: a shared tail may serve more of a row's prompt (seq.cached).
+        caches = self._row_caches(seqs, blocks, upcoming)
         uids = self._gen.insert(
             [s.prompt[s.cached:] for s in seqs],
             max_tokens=[s.max_tokens for s in seqs],
-            caches=[self._row_cache(b) for b in blocks],
+            caches=caches,
             all_tokens=[s.prompt[: s.cached] for s in seqs],
             samplers=[make_sampler(s.params, s.seed) for s in seqs],
             logits_processors=[self._processors(s) for s in seqs],
@@ -99,13 +117,17 @@ class TextBackend:
             processors.append(seq.thinking_budget)
         return processors + ([seq.processor] if seq.processor else [])
 
-    def _row_cache(self, blocks: list[Block]) -> list | None:
-        """A row's starting cache: a copy of its cached blocks, or (sharing) a reference to
-        the one shared copy of them."""
+    def _row_caches(self, seqs: list[Sequence], blocks: list[list[Block]],
+                    upcoming: Iterable[Sequence]) -> list:
+        """The rows' starting caches: a copy of each row's cached blocks, or (sharing) a
+        reference to the one shared copy of them, extended by the tokens rows go on sharing
+        past their blocks (`_share_tails`)."""
         if not self.shares_prefix:
-            return PrefixCache.to_kv_caches(blocks) if blocks else None
-        prefix = self._shared_prefix(blocks) if blocks else None
-        return [PrefixedCache(prefix, layer) for layer in range(self._layers)]
+            return [PrefixCache.to_kv_caches(b) if b else None for b in blocks]
+        prefixes = [self._shared_prefix(b) if b else None for b in blocks]
+        if SHARED_TAILS and any(prefixes):
+            self._share_tails(seqs, blocks, prefixes, upcoming)
+        return [[PrefixedCache(p, layer) for layer in range(self._layers)] for p in prefixes]
 
     def _shared_prefix(self, blocks: list[Block]) -> SharedPrefix:
         key = (blocks[-1].key, len(blocks))
@@ -116,6 +138,58 @@ class TextBackend:
                 self._shared.popitem(last=False)  # rows running with it still hold it
         self._shared.move_to_end(key)
         return prefix
+
+    def _share_tails(self, seqs: list[Sequence], blocks: list[list[Block]],
+                     prefixes: list[SharedPrefix | None], upcoming: Iterable[Sequence]) -> None:
+        """Rows that go on sharing tokens past their cached blocks (a long instruction seldom
+        ends on a block boundary: up to a block of it each row would compute for itself)
+        attend one copy of those tokens too. The tail is what these rows and the waiting rows
+        after the same blocks all share; it is computed once, on top of the blocks' shared
+        copy, and kept with it for rows to come. `prefixes[i]` and `seqs[i].cached` then cover
+        it; a row keeps at least one prompt token of its own."""
+        rows_of: dict[int, list[int]] = {}
+        for i, prefix in enumerate(prefixes):
+            if prefix is not None:
+                rows_of.setdefault(id(prefix), []).append(i)
+        for rows in rows_of.values():
+            base = prefixes[rows[0]]
+            loose = []
+            for i in rows:
+                tail = base.tail_for(seqs[i].prompt, seqs[i].cached)
+                if tail is None:
+                    loose.append(i)
+                else:
+                    prefixes[i], seqs[i].cached = tail, seqs[i].cached + len(tail.tail)
+            if not loose:
+                continue
+            start, n_blocks = seqs[loose[0]].cached, len(blocks[loose[0]])
+            last = blocks[loose[0]][-1].key  # block keys are chained: the same whole prefix
+            peers = [seqs[i].prompt[start:] for i in loose]
+            for seq in itertools.islice(upcoming, TAIL_PEERS):
+                if len(seq.block_keys) >= n_blocks and seq.block_keys[n_blocks - 1] == last:
+                    peers.append(seq.prompt[start:])
+            n = common_length(peers) if len(peers) >= 2 else 0
+            if n == 0 or n * (len(peers) - 1) * TAIL_PAYBACK < base.length:
+                continue  # the rows would skip less work than the tail's copy of the prefix
+            try:
+                tail = self._extend(base, seqs[loose[0]].prompt[start: start + n])
+            except Exception as e:  # the rows compute these tokens themselves, as before
+                log.warning("computing a shared prompt tail once failed (%s: %s); the rows "
+                            "compute it each", type(e).__name__, e)
+                continue
+            for i in loose:
+                prefixes[i], seqs[i].cached = tail, start + n
+
+    def _extend(self, base: SharedPrefix, tokens: list[int]) -> SharedPrefix:
+        """`base` followed by `tokens`, computed as a batch row after it would be."""
+        caches = [SharedPrefixBatchCache([base], layer) for layer in range(self._layers)]
+        self.model(mx.array(tokens)[None], cache=caches)
+        keys = [mx.concatenate([base.keys[i], c.keys[..., : c._idx, :]], axis=2)
+                for i, c in enumerate(caches)]
+        values = [mx.concatenate([base.values[i], c.values[..., : c._idx, :]], axis=2)
+                  for i, c in enumerate(caches)]
+        mx.eval(keys, values)
+        return base.add_tail(SharedPrefix(keys, values, tail=tuple(tokens)))
 
     def compute_prefix(self, seq: Sequence, upto: int, blocks: list[Block]) -> list[tuple]:
         """Prefill the row's first `upto` tokens on its own (after `blocks`, their first part
@@ -157,3 +231,4 @@ class TextBackend:
         if self._gen is not None:
             self._gen.close()
             self._gen = None
+

@@ -78,3 +78,12 @@ class SharedStarts:
             self._kept[start] = [tokens, CHECKS]
             while len(self._kept) > KEPT:
                 self._kept.popitem(last=False)
+
+
+def common_length(prompts: list[list[int]]) -> int:
+    """Tokens all `prompts` start with, leaving each at least one of its own."""
+    n = min(len(p) for p in prompts) - 1
+    first = prompts[0]
+    for p in prompts[1:]:
+        n = next((i for i in range(n) if p[i] != first[i]), n)
+    return max(0, n)

@@ -278,7 +278,7 @@ class VisionBackend:
             return None
         return rest, PrefixCache.to_kv_caches(blocks, KVCache)
 
-    def insert(self, seqs: list[Sequence], blocks: list[list]) -> list[int]:
+    def insert(self, seqs: list[Sequence], blocks: list[list], upcoming=()) -> list[int]:
         processors, samplers = [], []
         for seq in seqs:
             row = [seq.processor] if seq.processor is not None else []
