@@ -1,0 +1,58 @@
+"""Where a `batchrun run` spends its first seconds: the command line's arguments, run with
+timestamps (seconds since the job loop started) printed to stderr for each feeder take,
+engine step, disk-cache read, shared-prefix build and tail computation.
+
+    python scripts/trace_job.py run ROWS.jsonl --model PATH --job-dir DIR [--cache-dir DIR] ...
+"""
+
+import functools
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import batchrun  # noqa: E402, F401  (BLAS routing before MLX)
+from batchrun.cache import disk  # noqa: E402
+from batchrun.cli import main  # noqa: E402
+from batchrun.engine import engine, shared_prefix, text  # noqa: E402
+from batchrun.job import feeder, runner  # noqa: E402
+
+T0 = [time.perf_counter()]
+
+
+def traced(owner, name, describe=lambda args, result: ""):
+    real = getattr(owner, name)
+
+    @functools.wraps(real)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        result = real(*args, **kwargs)
+        end = time.perf_counter()
+        print(f"{start - T0[0]:8.3f} {end - start:7.3f}s {owner.__name__}.{name} "
+              f"{describe(args, result)}", file=sys.stderr, flush=True)
+        return result
+
+    setattr(owner, name, wrapper)
+
+
+def loop_started(real):
+    @functools.wraps(real)
+    def wrapper(*args, **kwargs):
+        T0[0] = time.perf_counter()
+        return real(*args, **kwargs)
+    return wrapper
+
+
+runner.JobRunner._run = loop_started(runner.JobRunner._run)
+traced(feeder.Feeder, "take", lambda a, r: f"{len(r)} rows")
+traced(engine.Engine, "step", lambda a, r: f"running {len(a[0].scheduler.running)} "
+       f"waiting {a[0].num_waiting} finished {len(r)}")
+traced(disk.DiskCache, "load_many", lambda a, r: f"{len(a[1])} keys")
+traced(shared_prefix.SharedPrefix, "from_blocks", lambda a, r: f"{r.length} tokens")
+traced(text.TextBackend, "_extend", lambda a, r: f"{len(a[2])} tail tokens")
+traced(text.TextBackend, "next", lambda a, r: f"prompt work {r[0]}, {len(r[1])} tokens")
+
+if __name__ == "__main__":
+    sys.argv = ["batchrun", *sys.argv[1:]]
+    main()
