@@ -178,18 +178,19 @@ def test_tokens_rows_share_past_their_cached_blocks_are_computed_once(demo, conc
 
 
 def test_a_tail_that_fails_to_compute_leaves_the_rows_to_compute_it(demo, monkeypatch,
-                                                                     caplog):
+                                                                     caplog, tmp_path):
     from batchrun.engine.text import TextBackend
 
     chats = tail_rows()
     reference, _ = run(demo, chats, prefix=False)
+    run(demo, chats, tmp_path)  # the blocks on disk: the next run only computes the tail
 
     def broken(self, base, tokens):
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(TextBackend, "_extend", broken)
     with caplog.at_level(logging.WARNING, logger="batchrun"):
-        outs, _ = run_outputs(demo, chats, concurrency=64)
+        outs, _ = run_outputs(demo, chats, tmp_path, concurrency=64)
     assert [o.token_ids for o in outs] == reference
     assert all(o.cached_tokens % 32 == 0 for o in outs)  # the blocks only
     assert any("RuntimeError: device lost" in r.message for r in caplog.records)
@@ -303,3 +304,24 @@ def test_the_prefix_part_s_speed_knobs_keep_its_result(monkeypatch, knobs, dtype
     assert out.shape == want_out.shape and lse.shape == want_lse.shape
     assert mx.allclose(out, want_out, atol=atol, rtol=atol).item()
     assert mx.allclose(lse, want_lse, atol=atol, rtol=atol).item()
+
+
+def test_a_prefix_computed_in_steps_on_the_cpu_matches_one_computed_whole(demo, monkeypatch):
+    """On the CPU a shared prefix is computed a few hundred tokens at a time, each step
+    attending the ones before as a shared prefix: the KV is the whole prefill's."""
+    from batchrun.engine import text
+    from batchrun.engine.sequence import Sequence
+
+    monkeypatch.setattr(text, "CPU_PREFIX_STEP", 48)
+    backend = text.TextBackend(demo.model, demo.tokenizer)
+    backend.start(4, EngineConfig())
+    prompt = demo.tokenizer.encode(FIRST + " " + SECOND)
+    seq = Sequence(0, prompt, GREEDY, 10)
+    assert not backend.share_prefixes(False)
+    whole = backend.compute_prefix(seq, 160, [])
+    assert backend.share_prefixes(True)
+    stepped = backend.compute_prefix(seq, 160, [])
+    assert len(stepped) == len(whole)
+    for (k1, v1), (k2, v2) in zip(whole, stepped, strict=True):
+        assert k1.shape == k2.shape == (1, k1.shape[1], 160, k1.shape[3])
+        assert mx.allclose(k1, k2, atol=1e-4).item() and mx.allclose(v1, v2, atol=1e-4).item()

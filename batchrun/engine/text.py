@@ -39,6 +39,8 @@ TAIL_PEERS = 256  # waiting rows a shared tail is cut to fit (_share_tails)
 # A tail is computed when the rows sharing it skip, all but one, at least 1/TAIL_PAYBACK of
 # the prefix's length in tokens: it holds a copy of the prefix.
 TAIL_PAYBACK = 4
+# On the CPU a shared prefix is computed this many tokens a step (_compute_in_steps).
+CPU_PREFIX_STEP = 256
 
 LEAN_STEP = True  # False: mlx-lm's own GenerationBatch (kept for the side-by-side benchmark)
 
@@ -172,7 +174,7 @@ class TextBackend:
             if n == 0 or n * (len(peers) - 1) * TAIL_PAYBACK < base.length:
                 continue  # the rows would skip less work than the tail's copy of the prefix
             try:
-                tail = self._extend(base, seqs[loose[0]].prompt[start: start + n])
+                tail = base.add_tail(self._extend(base, seqs[loose[0]].prompt[start: start + n]))
             except Exception as e:  # the rows compute these tokens themselves, as before
                 log.warning("computing a shared prompt tail once failed (%s: %s); the rows "
                             "compute it each", type(e).__name__, e)
@@ -189,12 +191,14 @@ class TextBackend:
         values = [mx.concatenate([base.values[i], c.values[..., : c._idx, :]], axis=2)
                   for i, c in enumerate(caches)]
         mx.eval(keys, values)
-        return base.add_tail(SharedPrefix(keys, values, tail=tuple(tokens)))
+        return SharedPrefix(keys, values, tail=base.tail + tuple(tokens))
 
     def compute_prefix(self, seq: Sequence, upto: int, blocks: list[Block]) -> list[tuple]:
         """Prefill the row's first `upto` tokens on its own (after `blocks`, their first part
         already cached); each layer's (keys, values) over all of them."""
         tokens = seq.prompt[:upto]
+        if self.shares_prefix and mx.default_device() == mx.cpu:
+            return self._compute_in_steps(tokens, blocks)
         caches = PrefixCache.to_kv_caches(blocks) if blocks else make_prompt_cache(self.model)
         done = caches[0].offset
         while done < len(tokens):
@@ -203,6 +207,21 @@ class TextBackend:
             mx.eval([c.state for c in caches])
             done += len(chunk)
         return [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
+
+    def _compute_in_steps(self, tokens: list[int], blocks: list[Block]) -> list[tuple]:
+        """compute_prefix on the CPU: CPU_PREFIX_STEP tokens at a time, each step attending the
+        ones before it as a shared prefix, whose part of attention goes through NumPy (MLX's
+        CPU exp is scalar: a 2,240-token instruction's own attention was most of a cold job)."""
+        if blocks:
+            prefix = SharedPrefix.from_blocks(blocks)
+        else:
+            caches = make_prompt_cache(self.model)
+            self.model(mx.array(tokens[:CPU_PREFIX_STEP])[None], cache=caches)
+            prefix = SharedPrefix([c.keys[..., : c.offset, :] for c in caches],
+                                  [c.values[..., : c.offset, :] for c in caches])
+        while prefix.length < len(tokens):
+            prefix = self._extend(prefix, tokens[prefix.length: prefix.length + CPU_PREFIX_STEP])
+        return list(zip(prefix.keys, prefix.values, strict=True))
 
     def choice_state(self, seq: Sequence, step: Step) -> tuple:
         """(model, the prompt's KV or None, the first token's log-probabilities) for scoring a
