@@ -60,11 +60,11 @@ def test_shared_prefix_is_computed_once_and_outputs_do_not_change(demo):
     cached_engine = engine(demo, cache, max_concurrency=6)
     outs = run_chat(cached_engine, rows)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
-    # The shared blocks were computed once, before the first row started; all 12 reused them,
-    # and the tokens the rows share past the last whole block (computed once too).
+    # The shared blocks were computed once, before the first row started; all 12 reused them
+    # (and a tail past them where one pays: test_shared_prefix.py).
     shared = outs[0].cached_tokens
     blocks = cache.stats.stored_blocks * 32
-    assert shared >= 0.8 * outs[0].prompt_tokens and blocks < shared < blocks + 32
+    assert shared >= 0.8 * outs[0].prompt_tokens and blocks <= shared < blocks + 32
     assert all(o.cached_tokens == shared for o in outs)
     assert cache.stats.hits == 12 and cache.stats.misses == 0
     assert cached_engine.stats.cached_tokens == 12 * shared

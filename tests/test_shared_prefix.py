@@ -137,7 +137,7 @@ def tail_rows() -> list[list[dict]]:
     leaves the preamble early, and one whose whole question is the preamble's start."""
     chats = [[{"role": "system", "content": FIRST},
               {"role": "user", "content": f"{PREAMBLE} item {i} is {'fine' if i % 2 else 'bad'}"}]
-             for i in range(12)]
+             for i in range(30)]
     chats.insert(5, [{"role": "system", "content": FIRST},
                      {"role": "user", "content": "Quick one: the kettle leaks."}])
     chats.append([{"role": "system", "content": FIRST},
@@ -173,8 +173,8 @@ def test_tokens_rows_share_past_their_cached_blocks_are_computed_once(demo, conc
             assert outs[-1].prompt_tokens > cached[-1]  # a row keeps a token of its own
     finally:
         shared_prefix.attention_with_prefix = real
-    if concurrency == 64:  # the 12 rows with the preamble attend one copy of it together
-        assert max(groups) == 12
+    if concurrency == 64:  # the 30 rows with the preamble attend one copy of it together
+        assert max(groups) == 30
 
 
 def test_a_tail_that_fails_to_compute_leaves_the_rows_to_compute_it(demo, monkeypatch,
@@ -325,3 +325,16 @@ def test_a_prefix_computed_in_steps_on_the_cpu_matches_one_computed_whole(demo, 
     for (k1, v1), (k2, v2) in zip(whole, stepped, strict=True):
         assert k1.shape == k2.shape == (1, k1.shape[1], 160, k1.shape[3])
         assert mx.allclose(k1, k2, atol=1e-4).item() and mx.allclose(v1, v2, atol=1e-4).item()
+
+
+def test_the_tail_is_what_most_rows_share_and_pays_for_its_copy():
+    from batchrun.engine.text import best_tail
+
+    preamble = list(range(100, 124))
+    rows = [preamble + [i, 7] for i in range(20)]
+    assert best_tail(rows, 64, 300) == preamble  # 24 tokens x 19 rows saved >= 300
+    outliers = [[5, 6, 7], preamble[:1] + [9, 9]]  # one leaves at once, one after a token
+    assert best_tail(outliers + rows, 64, 300) == preamble  # they do not cut it for the rest
+    assert best_tail(rows, 16, 200) == preamble[:16]  # at most a block
+    assert best_tail(rows, 64, 24 * 19 + 1) == []  # saves less than the prefix's copy
+    assert best_tail([preamble + [1]], 64, 0) == []  # one row alone shares with nobody

@@ -292,9 +292,11 @@ class Engine(Requests, CacheControl):
             ready.append((seq, blocks))
         if not ready:
             return
+        start = time.perf_counter()
         uids = self.backend.insert([s for s, _ in ready], [b for _, b in ready],
                                    self.scheduler.waiting)
         now = time.perf_counter()
+        self.stats.prefill_time += now - start  # a shared tail is prompt work (text.py)
         for uid, (seq, _) in zip(uids, ready, strict=True):
             self.scheduler.started(seq, uid)
             seq.admitted_at = now

@@ -64,7 +64,7 @@ _refused: set[str] = set()  # model types already logged as unsupported
 
 
 # Tails (tokens rows share past their cached blocks) kept with a prefix for rows to come.
-TAILS_KEPT = 8
+TAILS_KEPT = 4
 
 
 class SharedPrefix:

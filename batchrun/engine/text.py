@@ -35,10 +35,7 @@ from batchrun.engine.tokens import common_length
 log = logging.getLogger("batchrun")
 SHARED_PREFIXES_KEPT = 8  # distinct shared prefixes kept for rows still to come
 SHARED_TAILS = True  # False: rows compute what they share past their blocks each (benchmarks)
-TAIL_PEERS = 256  # waiting rows a shared tail is cut to fit (_share_tails)
-# A tail is computed when the rows sharing it skip, all but one, at least 1/TAIL_PAYBACK of
-# the prefix's length in tokens: it holds a copy of the prefix.
-TAIL_PAYBACK = 4
+TAIL_PEERS = 256  # waiting rows a shared tail is chosen to fit (_share_tails)
 # On the CPU a shared prefix is computed this many tokens a step (_compute_in_steps).
 CPU_PREFIX_STEP = 256
 
@@ -145,10 +142,10 @@ class TextBackend:
                      prefixes: list[SharedPrefix | None], upcoming: Iterable[Sequence]) -> None:
         """Rows that go on sharing tokens past their cached blocks (a long instruction seldom
         ends on a block boundary: up to a block of it each row would compute for itself)
-        attend one copy of those tokens too. The tail is what these rows and the waiting rows
-        after the same blocks all share; it is computed once, on top of the blocks' shared
-        copy, and kept with it for rows to come. `prefixes[i]` and `seqs[i].cached` then cover
-        it; a row keeps at least one prompt token of its own."""
+        attend one copy of those tokens too. The tail is what most of these rows and the
+        waiting rows after the same blocks share (`best_tail`); it is computed once, on top of
+        the blocks' shared copy, and kept with it for rows to come. `prefixes[i]` and
+        `seqs[i].cached` then cover it; a row keeps at least one prompt token of its own."""
         rows_of: dict[int, list[int]] = {}
         for i, prefix in enumerate(prefixes):
             if prefix is not None:
@@ -170,17 +167,19 @@ class TextBackend:
             for seq in itertools.islice(upcoming, TAIL_PEERS):
                 if len(seq.block_keys) >= n_blocks and seq.block_keys[n_blocks - 1] == last:
                     peers.append(seq.prompt[start:])
-            n = common_length(peers) if len(peers) >= 2 else 0
-            if n == 0 or n * (len(peers) - 1) * TAIL_PAYBACK < base.length:
-                continue  # the rows would skip less work than the tail's copy of the prefix
+            tokens = best_tail(peers, len(blocks[loose[0]][0].tokens), base.length)
+            if not tokens:
+                continue
             try:
-                tail = base.add_tail(self._extend(base, seqs[loose[0]].prompt[start: start + n]))
+                base.add_tail(self._extend(base, tokens))
             except Exception as e:  # the rows compute these tokens themselves, as before
                 log.warning("computing a shared prompt tail once failed (%s: %s); the rows "
                             "compute it each", type(e).__name__, e)
                 continue
             for i in loose:
-                prefixes[i], seqs[i].cached = tail, start + n
+                tail = base.tail_for(seqs[i].prompt, start)
+                if tail is not None:
+                    prefixes[i], seqs[i].cached = tail, start + len(tail.tail)
 
     def _extend(self, base: SharedPrefix, tokens: list[int]) -> SharedPrefix:
         """`base` followed by `tokens`, computed as a batch row after it would be."""
@@ -251,3 +250,21 @@ class TextBackend:
             self._gen.close()
             self._gen = None
 
+
+
+def best_tail(peers: list[list[int]], most: int, copy_tokens: int) -> list[int]:
+    """The tokens past a prefix worth computing once for `peers` (the prompts' rest after it),
+    or none: at most `most` (a block: rows share more only when the cache could not store
+    their blocks, and one row's forward over all of it could need more memory than that
+    failure), leaving each peer a token of its own. Tried from the first few peers' starts,
+    the length n that k peers share which saves most, n * (k - 1) tokens, wins if that is at
+    least `copy_tokens`: the tail holds a copy of the prefix, and the rows' own KV shrinks by
+    n tokens each. A few rows that leave early do not cut it for the rest."""
+    best, saved = [], 0
+    for start in peers[:3]:
+        head = start[: most + 1]
+        shared = sorted((common_length([head, p[: most + 1]]) for p in peers), reverse=True)
+        for k, n in enumerate(shared, start=1):  # k peers share at least n tokens
+            if n * (k - 1) > saved:
+                best, saved = start[:n], n * (k - 1)
+    return best if saved >= copy_tokens else []
