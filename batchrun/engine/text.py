@@ -251,7 +251,6 @@ class TextBackend:
             self._gen = None
 
 
-
 def best_tail(peers: list[list[int]], most: int, copy_tokens: int) -> list[int]:
     """The tokens past a prefix worth computing once for `peers` (the prompts' rest after it),
     or none: at most `most` (a block: rows share more only when the cache could not store
