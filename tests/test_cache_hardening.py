@@ -659,17 +659,3 @@ def test_fuzz_a_mutated_block_file_loads_as_the_original_or_not_at_all(tmp_path,
     path.write_bytes(original)  # the next example starts from the valid file
     assert same_block(disk.load(ORIGINAL.key), ORIGINAL)
 
-
-def test_a_block_s_arrays_are_the_same_made_as_one_copy_or_one_a_tensor():
-    """On a GPU a block file's bytes are copied to the device once and each tensor is a view
-    of them; the arrays are the ones a copy a tensor gives."""
-    arrays = {"keys.0": mx.arange(24, dtype=mx.float32).reshape(1, 2, 3, 4),
-              "values.0": (mx.arange(24) * 3).astype(mx.bfloat16).reshape(1, 2, 3, 4)}
-    expect = {k: (tuple(a.shape), "F32" if a.dtype == mx.float32 else "BF16")
-              for k, a in arrays.items()}
-    verified = blockfile.verify(blockfile.encode(arrays, {"tokens": "[]"}), expect)
-    whole, _ = blockfile.arrays_of(verified, whole=True)
-    apart, _ = blockfile.arrays_of(verified, whole=False)
-    for name, want in arrays.items():
-        assert whole[name].dtype == apart[name].dtype == want.dtype
-        assert mx.array_equal(whole[name], want).item() and mx.array_equal(apart[name], want)

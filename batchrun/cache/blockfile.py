@@ -85,20 +85,13 @@ class Verified:
         self.table, self.meta, self.body = table, meta, body
 
 
-def arrays_of(block: Verified, whole: bool | None = None
-              ) -> tuple[dict[str, mx.array], dict[str, str]]:
-    """The arrays of a verified block file, and its metadata. `whole` (the default on a GPU):
-    the file's tensor bytes become one array, each tensor a view of it, so a block is one copy
-    to the device instead of one a tensor (a 1B model's block has 32)."""
-    if whole is None:
-        whole = mx.default_device() != mx.cpu
+def arrays_of(block: Verified) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """The arrays of a verified block file, and its metadata."""
     arrays = {}
-    raw = mx.array(np.frombuffer(block.body, dtype=np.uint8)) if whole else None
     for name, entry in block.table.items():
         start, end = entry["data_offsets"]
-        part = raw[start:end] if whole else mx.array(
-            np.frombuffer(block.body[start:end], dtype=np.uint8))
-        arrays[name] = mx.view(part, DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        raw = mx.array(np.frombuffer(block.body[start:end], dtype=np.uint8))
+        arrays[name] = mx.view(raw, DTYPES[entry["dtype"]]).reshape(entry["shape"])
     mx.eval(arrays)
     return arrays, block.meta
 

@@ -59,12 +59,10 @@ FUSED_ON_METAL = True
 # steps: a labeling row holds a few tens of its own tokens, and 256 slots a row would be most
 # of the batch's memory.
 OWN_STEP = 32
-_installed: dict[str, Any] = {}  # model module name -> its original attention function
-_refused: set[str] = set()  # model types already logged as unsupported
-
-
 # Tails (tokens rows share past their cached blocks) kept with a prefix for rows to come.
 TAILS_KEPT = 4
+_installed: dict[str, Any] = {}  # model module name -> its original attention function
+_refused: set[str] = set()  # model types already logged as unsupported
 
 
 class SharedPrefix:
