@@ -47,9 +47,9 @@ ASYNC_WINDOW: int | None = 4
 LOW_PRECISION_SCORES = False
 # On the CPU, prefix parts with at least this many scores go through NumPy (_attend_prefix_host);
 # below it the round trip costs more than MLX's slow exp. With OpenBLAS's threads not spinning
-# between calls (blas.py) that is small: a decode step's prefix part (64 rows x 2 query heads
-# x 1,000 tokens) is ~3x faster through NumPy; 4M scores (the earlier bound) kept the decode
-# steps and most suffix prefills in MLX, and the labeling benchmark ~1.8x slower.
+# between calls (blas.py) that is small: 4M scores (the earlier bound) kept the decode steps
+# and most suffix prefills in MLX, and the labeling benchmark 1.4-2.2x slower
+# (scripts/ab_labeling_cpu.py, variant host4m; BENCHMARKS.md).
 HOST_MIN_SCORES = 1 << 14
 # On Metal, the prefix part runs as MLX's fused attention (_attend_prefix_fused), which never
 # holds the score matrix. Not on CUDA: there MLX 0.32 materializes these shapes' scores whole
