@@ -3,9 +3,11 @@
 `generate` (PyTorch), plus the decode roofline from the measured memory bandwidth.
 
     python scripts/bench_gpu.py OUT_DIR [--rows 1024] [--concurrency 256,1024] [--profile]
-        [--systems batchrun,batchrun_mlx_step,batch_generate,hf]
+        [--systems batchrun,batchrun_masked,batchrun_defaults,batchrun_mlx_step,batch_generate,hf]
 
-`batchrun_mlx_step` is batchrun on mlx-lm's own GenerationBatch instead of engine/batch.py's.
+`batchrun_mlx_step` is batchrun on mlx-lm's own GenerationBatch instead of engine/batch.py's;
+`batchrun_masked` decodes through MLX's attention with mlx-lm's mask instead of the ranged
+decode kernel (engine/decode_attention.py); `batchrun_defaults` runs with no flags.
 `--profile` adds the bare model's decode step (the floor any engine on MLX can reach) and a
 timing of where batchrun's step goes: waiting on the device vs host work.
 
@@ -24,6 +26,7 @@ import batchrun  # noqa: F401
 import mlx.core as mx
 
 import batchrun.engine.text as text_module
+from batchrun.engine import decode_attention
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import EngineConfig, SamplingParams
 from batchrun.models import load_model
@@ -50,10 +53,10 @@ def prompts(rows: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)] for _ in range(rows)]
 
 
-def run_batchrun(lm, ps, concurrency):
-    engine = Engine(lm.model, lm.tokenizer, EngineConfig(max_concurrency=concurrency,
-                                                         prefill_batch_size=64),
-                    lm.context_length)
+def run_batchrun(lm, ps, concurrency, defaults=False):
+    config = EngineConfig() if defaults else EngineConfig(max_concurrency=concurrency,
+                                                          prefill_batch_size=64)
+    engine = Engine(lm.model, lm.tokenizer, config, lm.context_length)
     start = time.perf_counter()
     for p in ps:
         engine.add_tokens(p, SamplingParams(max_tokens=NEW_TOKENS))
@@ -305,6 +308,12 @@ def main() -> None:
             text_module.LEAN_STEP = False
             r = run_batchrun(lm, ps, c)
             text_module.LEAN_STEP = True
+        elif name == "batchrun_masked":  # decode attention through mlx-lm's mask
+            decode_attention.ENABLED = False
+            r = run_batchrun(lm, ps, c)
+            decode_attention.ENABLED = True
+        elif name == "batchrun_defaults":  # no flags: the engine's own concurrency and prefill
+            r = run_batchrun(lm, ps, c, defaults=True)
         elif name == "batch_generate":
             r = run_batch_generate(lm, ps, c)
         else:

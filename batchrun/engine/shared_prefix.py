@@ -24,6 +24,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from batchrun.engine import decode_attention
+from batchrun.engine.decode_attention import ranged_attention
+
 log = logging.getLogger("batchrun")
 # Scores of the prefix part are materialized: row chunks keep them under this many elements.
 MAX_SCORE_ELEMENTS = 1 << 24
@@ -204,15 +207,21 @@ def install(model: Any) -> bool:
         kind = getattr(getattr(model, "args", None), "model_type", type(model).__name__)
         if kind not in _refused:
             _refused.add(kind)
-            log.warning("shared-prefix attention does not support %s models; rows sharing a "
-                        "prefix each hold a copy of it", kind)
+            log.warning("%s models do not call mlx-lm's shared attention function: rows "
+                        "sharing a prefix each hold a copy of it, and decode steps take a "
+                        "mask", kind)
         return False
     if module.__name__ not in _installed:
         _installed[module.__name__] = original
 
         def routed(queries, keys, values, cache, scale, mask, sinks=None):
-            if isinstance(cache, SharedPrefixBatchCache) and cache.groups():
-                return attention_with_prefix(queries, keys, values, cache, scale, mask, sinks)
+            if isinstance(cache, SharedPrefixBatchCache):
+                if cache.groups():
+                    return attention_with_prefix(queries, keys, values, cache, scale, mask,
+                                                 sinks)
+                if sinks is None and decode_attention.serves(queries, keys, values):
+                    return ranged_attention(queries, keys, values, cache.left_padding,
+                                            scale)[0]
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
         module.scaled_dot_product_attention = routed
@@ -229,8 +238,13 @@ def attention_with_prefix(queries: mx.array, keys: mx.array, values: mx.array,
     kv_heads = keys.shape[1]
     G = n_heads // kv_heads  # query heads per KV head
     q = (queries.astype(mx.float32) * scale).reshape(B, kv_heads, G * L, D)
-    scores = q @ keys.astype(mx.float32).swapaxes(-1, -2)  # (B, kv_heads, G*L, own)
-    out, lse = _attend(scores, values, _own_mask(mask, B, G, L, keys.shape[2]))
+    if decode_attention.serves(queries, keys, values):  # a decode step on CUDA: no mask
+        out, lse = ranged_attention(queries, keys, values, cache.left_padding, scale,
+                                    with_lse=True)
+        out, lse = out.reshape(B, kv_heads, G, D), lse.reshape(B, kv_heads, G)
+    else:
+        scores = q @ keys.astype(mx.float32).swapaxes(-1, -2)  # (B, kv_heads, G*L, own)
+        out, lse = _attend(scores, values, _own_mask(mask, B, G, L, keys.shape[2]))
     for prefix, rows in cache.groups():
         whole = len(rows) == B
         index = None if whole else mx.array(rows)

@@ -15,9 +15,10 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from batchrun.cache.prefix import Block, PrefixCache
+from batchrun.engine import decode_attention
 from batchrun.engine.batch import LeanGenerationBatch
 from batchrun.engine.postprocess import Step
 from batchrun.engine.prompt import PromptBuilder
@@ -59,7 +60,12 @@ class TextBackend:
         self._gen: BatchGenerator | None = None
         self.shares_prefix = False  # rows attend one shared copy of a cached prefix
         self._shared: OrderedDict[tuple[bytes, int], SharedPrefix] = OrderedDict()
-        self._layers = len(make_prompt_cache(model))
+        caches = make_prompt_cache(model)
+        self._layers = len(caches)
+        # Decode steps take each row's key range instead of a mask (decode_attention.py) where
+        # every layer's cache is a growing one and the model calls the shared attention.
+        self._ranged = (decode_attention.wanted() and all(type(c) is KVCache for c in caches)
+                        and install(model))
 
     def share_prefixes(self, on: bool) -> bool:
         """Rows starting from cached blocks attend one shared copy of them (shared_prefix.py)
@@ -122,6 +128,9 @@ class TextBackend:
         reference to the one shared copy of them, extended by the tokens rows go on sharing
         past their blocks (`_share_tails`)."""
         if not self.shares_prefix:
+            if self._ranged and not any(blocks):  # the batch cache that takes row ranges
+                return [[PrefixedCache(None, layer) for layer in range(self._layers)]
+                        for _ in seqs]
             return [PrefixCache.to_kv_caches(b) if b else None for b in blocks]
         prefixes = [self._shared_prefix(b) if b else None for b in blocks]
         if SHARED_TAILS and any(prefixes):

@@ -1,0 +1,297 @@
+"""Decode attention for a continuous batch, from each row's valid key range instead of a mask.
+
+In a continuous batch each row's keys start at its own offset (left padding, or a row that
+joined late) and end at the batch's current length. mlx-lm passes that as an array mask, and
+MLX 0.32's fused decode attention on CUDA takes no array mask: every step fell back to unfused
+attention, ~6x slower a layer at 256 positions (BENCHMARKS.md, issue 6). Here a row's range is
+its start (`BatchKVCache.left_padding`) and the keys' length, and on CUDA one kernel
+(`mx.fast.cuda_kernel`) runs split-K flash decoding over it:
+
+- a thread block takes one (row, KV head, split of the keys): the G query heads of that KV
+  head read each key and value once (GQA);
+- in a warp each lane scores one key of 32 against the G queries (held in shared memory),
+  then each lane accumulates its slice of the head dimension over those 32 keys; the warp's
+  running max and sum rescale as in flash attention;
+- the warps of a block, then the splits (MLX ops), merge by log-sum-exp.
+
+It returns the output and each query's log-sum-exp, which the shared-prefix attention
+(shared_prefix.py) merges with the prefix's part. Elsewhere (Metal, CPU) `reference` computes
+the same contract with MLX ops; the engine uses the kernel only on CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import mlx.core as mx
+
+ENABLED = True  # False: decode steps take MLX's attention with mlx-lm's mask (benchmarks)
+# True: decode steps take this path on every device, through `reference` where the kernel does
+# not run (tests check the path's plumbing on the CPU this way).
+EVERYWHERE = False
+HEAD_DIMS = (64, 128)
+WARPS = 4
+# Splits of the keys: enough thread blocks to fill the GPU when the batch is narrow, each
+# split at least MIN_SPLIT_KEYS keys.
+TARGET_BLOCKS = 1024
+MIN_SPLIT_KEYS = 128
+
+_HEADER = """
+#define BR_INF __int_as_float(0x7f800000)
+__device__ __forceinline__ float br_float(float x) { return x; }
+__device__ __forceinline__ float br_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float br_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T br_cast(float x);
+template <> __device__ __forceinline__ float br_cast<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half br_cast<__half>(float x) {
+  return __float2half(x);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 br_cast<__nv_bfloat16>(float x) {
+  return __float2bfloat16(x);
+}
+template <typename T, int N> struct alignas(sizeof(T) * N) BrVec { T x[N]; };
+"""
+
+# Grid: (WARPS * 32 * splits, kv_heads, rows), blocks of WARPS * 32 threads. Inputs: q
+# (rows, kv_heads * G, 1, D), k and v (rows, kv_heads, length, D) with unit stride along D,
+# starts (rows,) int32, scale (1,) float32. Outputs: out (rows, kv_heads * G, splits, D) in
+# OutT, each split's output normalized by its own sum; lse (rows, kv_heads * G, splits) float32,
+# -inf for a split without keys.
+_SOURCE = """
+  constexpr int PER = D / 32;                 // output dims a lane accumulates
+  constexpr int VEC = 16 / sizeof(T);         // elements of a 16-byte load
+  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int splits = gridDim.x, kv_heads = gridDim.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int length = k_shape[2];
+  const int start = starts[b];
+  const int per_split = (length - start + splits - 1) / splits;
+  const int lo = start + split * per_split;
+  const int hi = min(length, lo + per_split);
+
+  __shared__ float q_s[G][D];
+  __shared__ float p_s[NW][G][32];
+  __shared__ float m_s[NW][G];
+  __shared__ float l_s[NW][G];
+  __shared__ float o_s[NW][G][D];
+
+  const float sc = scale[0];
+  for (int i = threadIdx.x; i < G * D; i += NW * 32) {
+    const int g = i / D, d = i % D;
+    q_s[g][d] = br_float(q[(size_t)b * q_strides[0] + (size_t)(kvh * G + g) * q_strides[1]
+                           + (size_t)d * q_strides[3]]) * sc;
+  }
+  __syncthreads();
+
+  const T* kb = k + (size_t)b * k_strides[0] + (size_t)kvh * k_strides[1];
+  const T* vb = v + (size_t)b * v_strides[0] + (size_t)kvh * v_strides[1];
+  const size_t krow = k_strides[2], vrow = v_strides[2];
+
+  float m[G], l[G], o[G][PER];
+  #pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = -BR_INF;
+    l[g] = 0.f;
+    #pragma unroll
+    for (int e = 0; e < PER; ++e) o[g][e] = 0.f;
+  }
+
+  for (int base = lo + warp * 32; base < hi; base += NW * 32) {
+    const int key = base + lane;
+    float s[G];
+    #pragma unroll
+    for (int g = 0; g < G; ++g) s[g] = 0.f;
+    if (key < hi) {
+      const T* kr = kb + (size_t)key * krow;
+      #pragma unroll
+      for (int c = 0; c < D; c += VEC) {
+        const BrVec<T, VEC> kv = *reinterpret_cast<const BrVec<T, VEC>*>(kr + c);
+        #pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          const float kf = br_float(kv.x[j]);
+          #pragma unroll
+          for (int g = 0; g < G; ++g) s[g] += q_s[g][c + j] * kf;
+        }
+      }
+    } else {
+      #pragma unroll
+      for (int g = 0; g < G; ++g) s[g] = -BR_INF;
+    }
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float top = s[g];
+      #pragma unroll
+      for (int off = 16; off > 0; off >>= 1)
+        top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, off));
+      const float m_new = fmaxf(m[g], top);
+      float p = 0.f, corr = 1.f;
+      if (m_new != -BR_INF) {
+        p = expf(s[g] - m_new);
+        corr = expf(m[g] - m_new);
+      }
+      m[g] = m_new;
+      l[g] = l[g] * corr + p;   // this lane's keys; summed over the warp at the end
+      #pragma unroll
+      for (int e = 0; e < PER; ++e) o[g][e] *= corr;
+      p_s[warp][g][lane] = p;
+    }
+    __syncwarp();
+    const int n = min(32, hi - base);
+    for (int j = 0; j < n; ++j) {
+      const BrVec<T, PER> vv =
+          *reinterpret_cast<const BrVec<T, PER>*>(vb + (size_t)(base + j) * vrow + lane * PER);
+      #pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float p = p_s[warp][g][j];
+        #pragma unroll
+        for (int e = 0; e < PER; ++e) o[g][e] += p * br_float(vv.x[e]);
+      }
+    }
+    __syncwarp();
+  }
+
+  #pragma unroll
+  for (int g = 0; g < G; ++g) {
+    float sum = l[g];
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, off);
+    if (lane == 0) {
+      m_s[warp][g] = m[g];
+      l_s[warp][g] = sum;
+    }
+    #pragma unroll
+    for (int e = 0; e < PER; ++e) o_s[warp][g][lane * PER + e] = o[g][e];
+  }
+  __syncthreads();
+
+  for (int i = threadIdx.x; i < G * D; i += NW * 32) {
+    const int g = i / D, d = i % D;
+    float top = -BR_INF;
+    #pragma unroll
+    for (int w = 0; w < NW; ++w) top = fmaxf(top, m_s[w][g]);
+    float total = 0.f, acc = 0.f;
+    if (top != -BR_INF) {
+      #pragma unroll
+      for (int w = 0; w < NW; ++w) {
+        const float f = expf(m_s[w][g] - top);
+        total += l_s[w][g] * f;
+        acc += o_s[w][g][d] * f;
+      }
+    }
+    const size_t row = ((size_t)b * kv_heads * G + kvh * G + g) * splits + split;
+    out[row * D + d] = br_cast<OutT>(total > 0.f ? acc / total : 0.f);
+    if (d == 0) lse[row] = total > 0.f ? top + logf(total) : -BR_INF;
+  }
+"""
+
+
+@cache
+def _kernel():
+    return mx.fast.cuda_kernel(
+        name="batchrun_ranged_decode", input_names=["q", "k", "v", "starts", "scale"],
+        output_names=["out", "lse"], source=_SOURCE, header=_HEADER,
+        ensure_row_contiguous=False)
+
+
+@cache
+def _scale(scale: float) -> mx.array:
+    return mx.array([scale], mx.float32)
+
+
+def on_cuda() -> bool:
+    return mx.default_device() == mx.gpu and mx.cuda.is_available()
+
+
+def wanted() -> bool:
+    """Whether decode steps may take this path on this device at all."""
+    return ENABLED and (EVERYWHERE or on_cuda())
+
+
+def _kernel_takes(queries: mx.array, keys: mx.array) -> bool:
+    return (on_cuda() and queries.shape[-1] in HEAD_DIMS and queries.dtype == keys.dtype
+            and keys.dtype in (mx.bfloat16, mx.float16, mx.float32))
+
+
+def serves(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
+    """Whether a decode step takes this path: one query a row, whole query heads per KV head,
+    and the kernel on CUDA for this dtype and head dimension (EVERYWHERE: `reference`
+    elsewhere)."""
+    if not ENABLED or queries.shape[2] != 1 or queries.shape[1] % keys.shape[1] \
+            or values.shape[-1] != queries.shape[-1]:
+        return False
+    return EVERYWHERE or (_kernel_takes(queries, keys) and keys.dtype != mx.float32)
+
+
+def splits_for(rows: int, kv_heads: int, keys: int) -> int:
+    """Splits of the keys: a narrow batch spreads a long context over more thread blocks."""
+    wanted = math.ceil(TARGET_BLOCKS / max(1, rows * kv_heads))
+    return max(1, min(wanted, keys // MIN_SPLIT_KEYS))
+
+
+def ranged_attention(queries: mx.array, keys: mx.array, values: mx.array, starts: mx.array,
+                     scale: float, with_lse: bool = False, splits: int | None = None
+                     ) -> tuple[mx.array, mx.array | None]:
+    """Attention of each row's one query (rows, heads, 1, D) over its keys [starts[row],
+    length): (output, log-sum-exp or None). With `with_lse` the output is float32 (it is
+    merged further), otherwise the queries' dtype. On CUDA the kernel, elsewhere `reference`."""
+    rows, heads, _, D = queries.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    n = splits or splits_for(rows, kv_heads, length)
+    starts = starts.astype(mx.int32) if starts.dtype != mx.int32 else starts
+    if _kernel_takes(queries, keys):
+        out_dtype = mx.float32 if (with_lse or n > 1) else queries.dtype
+        out, lse = _kernel()(
+            inputs=[queries, keys, values, starts, _scale(scale)],
+            template=[("T", queries.dtype), ("OutT", out_dtype), ("D", D),
+                      ("G", heads // kv_heads), ("NW", WARPS)],
+            grid=(WARPS * 32 * n, kv_heads, rows), threadgroup=(WARPS * 32, 1, 1),
+            output_shapes=[(rows, heads, n, D), (rows, heads, n)],
+            output_dtypes=[out_dtype, mx.float32])
+    else:
+        out, lse = reference(queries, keys, values, starts, scale, n)
+    if n > 1:
+        out, lse = merge_splits(out, lse)
+    else:
+        out, lse = out[:, :, 0], lse[:, :, 0]
+    out = out[:, :, None]
+    if with_lse:
+        return out, lse
+    return out.astype(queries.dtype), None
+
+
+def merge_splits(out: mx.array, lse: mx.array) -> tuple[mx.array, mx.array]:
+    """Splits' outputs (rows, heads, splits, D) and log-sum-exps (rows, heads, splits) as one:
+    (rows, heads, D) float32, (rows, heads). A split without keys has -inf and weighs 0."""
+    total = mx.logsumexp(lse, axis=-1)
+    weights = mx.exp(lse - total[..., None])
+    return (weights[..., None] * out.astype(mx.float32)).sum(axis=2), total
+
+
+def split_bounds(starts: mx.array, length: int, splits: int) -> tuple[mx.array, mx.array]:
+    """Each row's keys [lo, hi) in each split, as the kernel cuts them: (rows, splits) each."""
+    per = (length - starts + splits - 1) // splits  # (rows,)
+    lo = starts[:, None] + mx.arange(splits)[None] * per[:, None]
+    return lo, mx.minimum(lo + per[:, None], length)
+
+
+def reference(queries: mx.array, keys: mx.array, values: mx.array, starts: mx.array,
+              scale: float, splits: int = 1) -> tuple[mx.array, mx.array]:
+    """The kernel's contract in MLX ops, float32: each split's normalized output (rows, heads,
+    splits, D) and log-sum-exp (rows, heads, splits)."""
+    rows, heads, _, D = queries.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    G = heads // kv_heads
+    q = (queries.astype(mx.float32) * scale).reshape(rows, kv_heads, G, D)
+    scores = q @ keys.astype(mx.float32).swapaxes(-1, -2)  # (rows, kv_heads, G, length)
+    lo, hi = split_bounds(starts, length, splits)
+    position = mx.arange(length)
+    inside = ((position >= lo[..., None]) & (position < hi[..., None]))  # (rows, splits, len)
+    s = mx.where(inside[:, None, None], scores[:, :, :, None], -mx.inf)  # (r, kvh, G, sp, len)
+    peak = s.max(axis=-1, keepdims=True)
+    empty = mx.isinf(peak)
+    weights = mx.exp(s - mx.where(empty, 0.0, peak))
+    total = weights.sum(axis=-1, keepdims=True)
+    out = (weights @ values.astype(mx.float32)[:, :, None]) / mx.maximum(total, 1e-30)
+    lse = mx.where(empty, -mx.inf, peak + mx.log(total))[..., 0]
+    return (out.reshape(rows, heads, splits, D), lse.reshape(rows, heads, splits))

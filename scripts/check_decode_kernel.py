@@ -1,0 +1,152 @@
+"""Check the ranged decode kernel (batchrun/engine/decode_attention.py) on a CUDA device.
+
+    python scripts/check_decode_kernel.py OUT_DIR [--quick]
+
+1. Correctness: the kernel against `reference` (float32 MLX ops on the same inputs) over
+   dtypes, head dims, query heads per KV head, row starts, lengths and splits, with the keys a
+   slice of a larger buffer as a batch KV cache passes them. Fails (exit 1) beyond tolerance.
+2. Greedy tokens: the engine on a small model with the kernel and without it (MLX's attention
+   with mlx-lm's mask), in float32 and in bfloat16.
+3. Cost of one layer's decode attention: MLX's fused attention without a mask (the floor),
+   with mlx-lm's mask (what a continuous batch ran), and the kernel.
+
+Writes OUT_DIR/decode_kernel.json. CI has no GPU; the CPU tests cover `reference` and the
+dispatch.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import batchrun  # noqa: F401
+
+# isort: split
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+
+from batchrun.engine import decode_attention as da
+
+TOLERANCE = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
+
+
+def correctness() -> list[dict]:
+    results = []
+    mx.random.seed(0)
+    cases = [(dtype, D, G, rows, length, splits)
+             for dtype in (mx.bfloat16, mx.float16, mx.float32)
+             for D in (64, 128) for G in (1, 4, 8)
+             for rows, length in ((3, 1), (5, 33), (7, 300), (2, 2049))
+             for splits in (None, 1, 3)]
+    for dtype, D, G, rows, length, splits in cases:
+        kv_heads = 2
+        buffer = (rows, kv_heads, length + 40, D)  # a cache's buffer, sliced to its length
+        k = mx.random.normal(buffer).astype(dtype)[..., :length, :]
+        v = mx.random.normal(buffer).astype(dtype)[..., :length, :]
+        q = mx.random.normal((rows, kv_heads * G, 1, D)).astype(dtype)
+        starts = mx.random.randint(0, length, (rows,)).astype(mx.int32)
+        starts[0] = 0
+        scale = D ** -0.5
+        out, lse = da.ranged_attention(q, k, v, starts, scale, with_lse=True, splits=splits)
+        plain, _ = da.ranged_attention(q, k, v, starts, scale, splits=splits)
+        n = splits or da.splits_for(rows, kv_heads, length)
+        r_out, r_lse = da.reference(q, k, v, starts, scale, n)
+        r_out, r_lse = da.merge_splits(r_out, r_lse) if n > 1 else (r_out[:, :, 0], r_lse[..., 0])
+        error = mx.abs(out[:, :, 0] - r_out).max().item()
+        plain_error = mx.abs(plain[:, :, 0].astype(mx.float32) - r_out).max().item()
+        lse_error = mx.abs(lse - r_lse).max().item()
+        ok = error <= TOLERANCE[dtype] and lse_error <= 1e-3 \
+            and plain_error <= 2 * TOLERANCE[dtype] + (1e-2 if dtype == mx.bfloat16 else 1e-3)
+        results.append({"dtype": str(dtype), "D": D, "G": G, "rows": rows, "length": length,
+                        "splits": n, "max_error": error, "plain_error": plain_error,
+                        "lse_error": lse_error, "ok": ok})
+        if not ok:
+            print("FAIL", json.dumps(results[-1]), flush=True)
+    print(f"correctness: {sum(r['ok'] for r in results)} of {len(results)} cases within "
+          "tolerance", flush=True)
+    return results
+
+
+def greedy(model_dir: str) -> list[dict]:
+    from batchrun.engine.engine import Engine
+    from batchrun.engine.request import EngineConfig, SamplingParams
+    from batchrun.models import load_model
+
+    results = []
+    for dtype in (mx.float32, mx.bfloat16):
+        lm = load_model(model_dir)
+        lm.model.set_dtype(dtype)
+        prompts = [list(range(5 + i % 7, 40 + (i * 13) % 90)) for i in range(48)]
+        tokens = {}
+        for on in (False, True):
+            da.ENABLED = on
+            da.EVERYWHERE = on and dtype == mx.float32  # the kernel serves half types alone
+            engine = Engine(lm.model, lm.tokenizer, EngineConfig(max_concurrency=16),
+                            lm.context_length)
+            for p in prompts:
+                engine.add_tokens(p, SamplingParams(max_tokens=24))
+            tokens[on] = [o.token_ids for o in engine.run()]
+        da.ENABLED, da.EVERYWHERE = True, False
+        differ = sum(a != b for a, b in zip(tokens[False], tokens[True], strict=True))
+        results.append({"dtype": str(dtype), "rows": len(prompts), "rows_differing": differ})
+        print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def timing(rows: int, length: int, heads=32, kv_heads=8, D=64, reps=50) -> dict:
+    dtype = mx.bfloat16
+    q = mx.random.normal((rows, heads, 1, D)).astype(dtype)
+    k = mx.random.normal((rows, kv_heads, length + 64, D)).astype(dtype)[..., :length, :]
+    v = mx.random.normal((rows, kv_heads, length + 64, D)).astype(dtype)[..., :length, :]
+    padding = mx.random.randint(0, max(1, length // 4), (rows,)).astype(mx.int32)
+    mask = create_causal_mask(1, offset=length - 1, left_padding=padding)
+    scale = D ** -0.5
+    mx.eval(q, k, v, padding, mask)
+    calls = {
+        "fused_no_mask": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale),
+        "fused_masked": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
+                                                                     mask=mask),
+        "kernel": lambda: da.ranged_attention(q, k, v, padding, scale)[0],
+        "kernel_lse": lambda: da.ranged_attention(q, k, v, padding, scale, with_lse=True),
+    }
+    result = {"rows": rows, "length": length, "heads": heads, "kv_heads": kv_heads, "D": D,
+              "splits": da.splits_for(rows, kv_heads, length)}
+    for name, call in calls.items():
+        for _ in range(3):
+            mx.eval(call())
+        start = time.perf_counter()
+        for _ in range(reps):
+            mx.eval(call())
+        result[name + "_ms"] = (time.perf_counter() - start) / reps * 1000
+    result["kv_gb_per_s_kernel"] = 2 * k.nbytes / (result["kernel_ms"] / 1000) / 1e9
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--model", default="/tmp/m150",
+                        help="an mlx-lm model folder for the greedy check (the 150m shape "
+                             "is built there if absent)")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not da.on_cuda():
+        sys.exit("check_decode_kernel.py needs MLX's CUDA backend")
+    result = {"correctness": correctness()}
+    result["timing"] = [timing(r, n) for r, n in ((1024, 256), (1024, 384), (256, 256),
+                                                  (512, 64), (8, 2048), (64, 1024))]
+    if not args.quick:
+        if not (Path(args.model) / "config.json").exists():
+            from batchrun.models.build import build
+
+            build(Path(args.model), "150m")
+        result["greedy"] = greedy(args.model)
+    (args.out / "decode_kernel.json").write_text(json.dumps(result, indent=2))
+    sys.exit(0 if all(r["ok"] for r in result["correctness"]) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Decode attention from each row's key range: the contract the CUDA kernel implements (checked
+here through `reference`, the same contract in MLX ops), the dispatch that picks it, and the
+engine's greedy tokens when decode steps take it."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.base import create_causal_mask
+
+from batchrun.engine import decode_attention as da
+from batchrun.engine.engine import Engine
+from batchrun.engine.request import EngineConfig, SamplingParams
+
+from test_shared_prefix import FIRST, SECOND, rows, run
+
+
+def inputs(rows=5, heads=8, kv_heads=2, length=300, D=64, seed=0):
+    mx.random.seed(seed)
+    q = mx.random.normal((rows, heads, 1, D))
+    buffer = (rows, kv_heads, length + 20, D)  # a batch cache's buffer, sliced to its length
+    k = mx.random.normal(buffer)[..., :length, :]
+    v = mx.random.normal(buffer)[..., :length, :]
+    return q, k, v
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5, 64])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4)])
+def test_a_rows_range_gives_what_mlx_lms_mask_gives(splits, heads, kv_heads):
+    q, k, v = inputs(heads=heads, kv_heads=kv_heads)
+    length = k.shape[2]
+    starts = mx.array([0, 3, 100, length - 1, 17])  # one row holds only its newest key
+    mask = create_causal_mask(1, offset=length - 1, left_padding=starts)
+    expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
+
+    out, lse = da.ranged_attention(q, k, v, starts, 0.125, with_lse=True, splits=splits)
+
+    assert out.shape == expected.shape and out.dtype == mx.float32
+    assert mx.allclose(out, expected, atol=1e-5)
+    G = heads // kv_heads
+    scores = (q.reshape(5, kv_heads, G, 64) * 0.125) @ k.swapaxes(-1, -2)
+    scores = mx.where((mx.arange(length) >= starts[:, None])[:, None, None], scores, -mx.inf)
+    assert mx.allclose(lse, mx.logsumexp(scores, axis=-1).reshape(5, heads), atol=1e-5)
+
+
+def test_splits_without_keys_weigh_nothing():
+    q, k, v = inputs(rows=2, length=10)
+    starts = mx.array([9, 0])
+    parts, lse = da.reference(q, k, v, starts, 0.125, splits=4)
+    lo, hi = da.split_bounds(starts, 10, 4)
+    assert lo.tolist() == [[9, 10, 11, 12], [0, 3, 6, 9]]
+    assert hi.tolist() == [[10, 10, 10, 10], [3, 6, 9, 10]]
+    assert mx.isinf(lse[0, :, 1:]).all() and not mx.isinf(lse[1]).any()
+    out, _ = da.merge_splits(parts, lse)
+    whole, _ = da.reference(q, k, v, starts, 0.125, splits=1)
+    assert mx.allclose(out, whole[:, :, 0], atol=1e-6)
+
+
+def test_without_lse_the_output_keeps_the_queries_dtype():
+    q, k, v = (x.astype(mx.float16) for x in inputs(rows=3, length=40))
+    out, lse = da.ranged_attention(q, k, v, mx.array([0, 1, 2]), 0.125)
+    assert lse is None and out.dtype == mx.float16 and out.shape == (3, 8, 1, 64)
+
+
+def test_narrow_batches_split_long_contexts():
+    assert da.splits_for(1024, 8, 384) == 1  # 8,192 thread blocks already
+    assert da.splits_for(8, 8, 2048) == 16  # 64 (row, head) pairs: split the keys
+    assert da.splits_for(8, 8, 300) == 2  # but each split keeps MIN_SPLIT_KEYS keys
+    assert da.splits_for(1, 1, 50) == 1
+
+
+def test_the_path_serves_decode_steps_only_where_its_kernel_runs(monkeypatch):
+    q, k, v = (x.astype(mx.bfloat16) for x in inputs())
+    assert not da.serves(q, k, v)  # this CPU: MLX's attention, as before
+    monkeypatch.setattr(da, "EVERYWHERE", True)
+    assert da.serves(q, k, v)
+    assert not da.serves(mx.concatenate([q, q], axis=2), k, v)  # a prefill
+    assert not da.serves(q, k, v[..., :32])  # values of another head size
+    assert not da.serves(q[:, :7], k, v)  # query heads not a multiple of the KV heads
+    monkeypatch.setattr(da, "ENABLED", False)
+    assert not da.serves(q, k, v)
+
+
+def engine_tokens(demo, prompts, concurrency):
+    engine = Engine(demo.model, demo.tokenizer, EngineConfig(max_concurrency=concurrency),
+                    demo.context_length)
+    for p in prompts:
+        engine.add_tokens(p, SamplingParams(max_tokens=12))
+    return [o.token_ids for o in engine.run()]
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts the calls of the path's reference (the CPU's stand-in for the kernel)."""
+    calls = []
+    original = da.reference
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(da, "reference", counting)
+    return calls
+
+
+@pytest.mark.parametrize("concurrency", [1, 16])
+def test_greedy_tokens_do_not_change_when_decode_steps_take_row_ranges(
+        demo, monkeypatch, counted, concurrency):
+    # Prompts of different lengths: left padding, and rows joining a running batch.
+    prompts = [list(range(3 + i % 5, 20 + (i * 7) % 40)) for i in range(24)]
+    monkeypatch.setattr(da, "ENABLED", False)
+    expected = engine_tokens(demo, prompts, concurrency)
+    assert not counted
+    monkeypatch.setattr(da, "ENABLED", True)
+    monkeypatch.setattr(da, "EVERYWHERE", True)
+    assert engine_tokens(demo, prompts, concurrency) == expected
+    assert counted and max(counted) == min(concurrency, 24)
+
+
+def test_rows_under_shared_prefixes_decode_the_same_with_row_ranges(demo, monkeypatch, counted):
+    chats = rows(FIRST, 8) + rows(SECOND, 8) + rows(FIRST, 4, start=8)
+    expected, _ = run(demo, chats, prefix=False)
+    monkeypatch.setattr(da, "EVERYWHERE", True)
+    cold, engine = run(demo, chats)
+    assert engine.get_cache_stats()["hit_tokens"] > 0
+    assert cold == expected and counted
