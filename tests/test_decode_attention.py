@@ -5,12 +5,11 @@ engine's greedy tokens when decode steps take it."""
 import mlx.core as mx
 import pytest
 from mlx_lm.models.base import create_causal_mask
+from test_shared_prefix import FIRST, SECOND, rows, run
 
 from batchrun.engine import decode_attention as da
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import EngineConfig, SamplingParams
-
-from test_shared_prefix import FIRST, SECOND, rows, run
 
 
 def inputs(rows=5, heads=8, kv_heads=2, length=300, D=64, seed=0):

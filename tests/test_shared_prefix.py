@@ -259,7 +259,7 @@ def test_an_architecture_without_the_shared_attention_function_falls_back_once(c
     with caplog.at_level(logging.WARNING, logger="batchrun"):
         assert not shared_prefix.install(Model())
         assert not shared_prefix.install(Model())
-    assert len([r for r in caplog.records if "shared-prefix attention" in r.message]) == 1
+    assert len([r for r in caplog.records if "shared attention function" in r.message]) == 1
 
 
 @pytest.mark.parametrize("dtype,atol", [(mx.float32, 1e-5), (mx.bfloat16, 3e-2)])

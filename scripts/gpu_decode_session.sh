@@ -1,0 +1,22 @@
+#!/bin/bash
+# Issue 14's H200 measurements in one device call (the set-up line: shared/gpu/README.md): the
+# ranged decode kernel checked against its reference and timed a layer, then the decode
+# workload (1,024 rows x 128 -> 256 tokens, 1B Llama shape) with the kernel, without it, with
+# default flags, and mlx-lm's batch_generate. Everything lands under $OUT (one archive).
+OUT=${OUT:-/tmp/out}
+python3 scripts/check_decode_kernel.py $OUT/kernel ${CHECK_FLAGS} > $OUT/kernel.log 2>&1
+echo "kernel check exit $?"; grep -v '^{' $OUT/kernel.log | tail -5; grep '_ms' $OUT/kernel.log
+[ -n "$SKIP_BENCH" ] || python3 scripts/bench_gpu.py $OUT/bench --rows ${ROWS:-1024} \
+    --concurrency ${CONCURRENCY:-1024} --repeat ${REPEAT:-1} \
+    --systems ${SYSTEMS:-batchrun,batchrun_masked,batchrun_defaults,batch_generate} \
+    > $OUT/bench.log 2>&1
+python3 -c "
+import json, sys
+for line in open(sys.argv[1]):
+    if line.startswith('{'):
+        r = json.loads(line)
+        print(r.get('system'), r.get('concurrency'), 'tok/s', round(r.get('tokens_per_s', 0)),
+              'wall', round(r.get('wall_s', 0), 2), 'mean batch', r.get('mean_batch'))
+" $OUT/bench.log 2>/dev/null; tail -3 $OUT/bench.log
+tar czf $OUT/all.tgz -C $OUT --exclude=all.tgz .
+find $OUT -mindepth 1 -not -name all.tgz -delete
