@@ -138,6 +138,7 @@ _SOURCE = """
     }
     __syncwarp();
     const int n = min(32, hi - base);
+    #pragma unroll 4
     for (int j = 0; j < n; ++j) {
       const BrVec<T, PER> vv =
           *reinterpret_cast<const BrVec<T, PER>*>(vb + (size_t)(base + j) * vrow + lane * PER);
