@@ -5,8 +5,8 @@
 # default flags, and mlx-lm's batch_generate. Everything lands under $OUT (one archive).
 OUT=${OUT:-/tmp/out}
 python3 scripts/check_decode_kernel.py $OUT/kernel ${CHECK_FLAGS} > $OUT/kernel.log 2>&1
-echo "kernel check exit $?"; grep -v '^{' $OUT/kernel.log | tail -5; grep '_ms' $OUT/kernel.log
-[ -n "$SKIP_BENCH" ] || python3 scripts/bench_gpu.py $OUT/bench --rows ${ROWS:-1024} \
+CHECK=$?; echo "kernel check exit $CHECK"; grep -v '^{' $OUT/kernel.log | tail -5; grep '_ms' $OUT/kernel.log
+[ -n "$SKIP_BENCH" ] || [ $CHECK != 0 ] || python3 scripts/bench_gpu.py $OUT/bench --rows ${ROWS:-1024} \
     --concurrency ${CONCURRENCY:-1024} --repeat ${REPEAT:-1} \
     --systems ${SYSTEMS:-batchrun,batchrun_masked,batchrun_defaults,batch_generate} \
     > $OUT/bench.log 2>&1
