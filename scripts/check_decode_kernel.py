@@ -2,7 +2,7 @@
 
     python scripts/check_decode_kernel.py OUT_DIR [--quick]
 
-1. Correctness: the kernel against `reference` (float32 MLX ops on the same inputs) over
+1. Correctness: the kernel against `reference` (float32 MLX ops on the CPU, same inputs) over
    dtypes, head dims, query heads per KV head, row starts, lengths and splits, with the keys a
    slice of a larger buffer as a batch KV cache passes them. Fails (exit 1) beyond tolerance.
 2. Greedy tokens: the engine on a small model with the kernel and without it (MLX's attention
@@ -51,8 +51,11 @@ def correctness() -> list[dict]:
         out, lse = da.ranged_attention(q, k, v, starts, scale, with_lse=True, splits=splits)
         plain, _ = da.ranged_attention(q, k, v, starts, scale, splits=splits)
         n = splits or da.splits_for(rows, kv_heads, length)
-        r_out, r_lse = da.reference(q, k, v, starts, scale, n)
-        r_out, r_lse = da.merge_splits(r_out, r_lse) if n > 1 else (r_out[:, :, 0], r_lse[..., 0])
+        with mx.stream(mx.cpu):  # exact float32 (CUDA's float32 matmuls may round as TF32)
+            r_out, r_lse = da.reference(q, k, v, starts, scale, n)
+            r_out, r_lse = da.merge_splits(r_out, r_lse) if n > 1 else (r_out[:, :, 0],
+                                                                        r_lse[..., 0])
+            mx.eval(r_out, r_lse)
         error = mx.abs(out[:, :, 0] - r_out).max().item()
         plain_error = mx.abs(plain[:, :, 0].astype(mx.float32) - r_out).max().item()
         lse_error = mx.abs(lse - r_lse).max().item()
