@@ -1,12 +1,14 @@
 """Issue 13's whole-process labeling benchmark: rows under one long shared instruction.
 
     python scripts/bench_labeling.py OUT_DIR [--model PATH] [--rows 120] [--instruction 1900]
-        [--max-tokens 4] [--systems batchrun,copies,peer,batch_generate] [--flags "..."]
+        [--max-tokens 4] [--systems batchrun,copies,masked,peer,batch_generate] [--flags "..."]
 
 Every system is a fresh process timed from start to exit (imports and model load included), on
 the same chat rows: a ~N-token system instruction (few-shot examples) + one review.
 - batchrun: `batchrun run` cold (empty cache folder), then warm (a new job, same cache folder);
 - copies: the same with --no-shared-prefix (each row holds a copy of the prefix's KV);
+- masked: the same with BATCHRUN_DECODE_KERNEL=0 (decode steps through MLX's attention and
+  mlx-lm's mask instead of the ranged decode kernel);
 - peer: a careful mlx-lm user: the common prefix prefilled once, a copy of its KV cache given
   to every row, batch_generate over the rest;
 - batch_generate: plain mlx-lm batch_generate.
@@ -15,6 +17,7 @@ Writes OUT_DIR/labeling.json and prints a table with ratios.
 
 import argparse
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -81,9 +84,9 @@ def write_rows(path: Path, rows: int, instruction_words: int) -> None:
                 {"role": "user", "content": f"Review: {text} Label:"}]}) + "\n")
 
 
-def timed(cmd: list[str], cwd: Path) -> float:
+def timed(cmd: list[str], cwd: Path, env: dict | None = None) -> float:
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
@@ -113,15 +116,17 @@ def main() -> None:
     results: dict[str, float] = {}
     details: dict[str, dict] = {}
     for system in args.systems.split(","):
-        if system in ("batchrun", "copies"):
-            extra = [] if system == "batchrun" else ["--no-shared-prefix"]
+        if system in ("batchrun", "copies", "masked"):
+            extra = ["--no-shared-prefix"] if system == "copies" else []
+            # masked: decode steps through MLX's attention and mlx-lm's mask, not the kernel
+            env = {**os.environ, "BATCHRUN_DECODE_KERNEL": "0"} if system == "masked" else None
             cache = out / f"cache-{system}"
             shutil.rmtree(cache, ignore_errors=True)  # cold: an empty cache folder
             for run in ("cold", "warm"):
                 job = out / f"job-{system}-{run}"
                 name = f"batchrun run ({system}, {run})"
                 results[name] = timed([*batchrun, *extra, "--job-dir", str(job),
-                                       "--cache-dir", str(cache), "--restart"], out)
+                                       "--cache-dir", str(cache), "--restart"], out, env)
                 last = json.loads((job / "report.json").read_text())["runs"][-1]
                 details[name] = {k: last[k] for k in ("peak_memory_bytes", "mean_batch_size",
                                                       "prefill_time_s", "decode_time_s",

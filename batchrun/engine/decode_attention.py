@@ -21,12 +21,15 @@ the same contract with MLX ops; the engine uses the kernel only on CUDA.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 from functools import cache
 
 import mlx.core as mx
 
-ENABLED = True  # False: decode steps take MLX's attention with mlx-lm's mask (benchmarks)
+# False (or BATCHRUN_DECODE_KERNEL=0): decode steps take MLX's attention with mlx-lm's mask.
+ENABLED = os.environ.get("BATCHRUN_DECODE_KERNEL", "1") != "0"
 # True: decode steps take this path on every device, through `reference` where the kernel does
 # not run (tests check the path's plumbing on the CPU this way).
 EVERYWHERE = False
@@ -189,8 +192,11 @@ _SOURCE = """
 
 @cache
 def _kernel():
+    # MLX keeps compiled kernels on disk by name (MLX_PTX_CACHE_DIR, else /tmp/mlx): the name
+    # carries the source's hash, so a changed kernel is never served from an older build.
+    digest = hashlib.sha256((_HEADER + _SOURCE).encode()).hexdigest()[:12]
     return mx.fast.cuda_kernel(
-        name="batchrun_ranged_decode", input_names=["q", "k", "v", "starts", "scale"],
+        name=f"batchrun_ranged_decode_{digest}", input_names=["q", "k", "v", "starts", "scale"],
         output_names=["out", "lse"], source=_SOURCE, header=_HEADER,
         ensure_row_contiguous=False)
 
