@@ -41,15 +41,17 @@ def correctness() -> list[dict]:
              for splits in (None, 1, 3)]
     for dtype, D, G, rows, length, splits in cases:
         kv_heads = 2
-        buffer = (rows, kv_heads, length + 40, D)  # a cache's buffer, sliced to its length
-        k = mx.random.normal(buffer).astype(dtype)[..., :length, :]
-        v = mx.random.normal(buffer).astype(dtype)[..., :length, :]
+        buffer = (rows, kv_heads, length + 40, D)  # a cache's buffers, `length` slots filled
+        kb = mx.random.normal(buffer).astype(dtype)
+        vb = mx.random.normal(buffer).astype(dtype)
+        k, v = kb[..., :length, :], vb[..., :length, :]
         q = mx.random.normal((rows, kv_heads * G, 1, D)).astype(dtype)
         starts = mx.random.randint(0, length, (rows,)).astype(mx.int32)
         starts[0] = 0
         scale = D ** -0.5
-        out, lse = da.ranged_attention(q, k, v, starts, scale, with_lse=True, splits=splits)
-        plain, _ = da.ranged_attention(q, k, v, starts, scale, splits=splits)
+        out, lse = da.ranged_attention(q, kb, vb, starts, scale, length, with_lse=True,
+                                       splits=splits)
+        plain, _ = da.ranged_attention(q, kb, vb, starts, scale, length, splits=splits)
         n = splits or da.splits_for(rows, kv_heads, length)
         with mx.stream(mx.cpu):  # exact float32 (CUDA's float32 matmuls may round as TF32)
             r_out, r_lse = da.reference(q, k, v, starts, scale, n)
@@ -100,18 +102,20 @@ def greedy(model_dir: str) -> list[dict]:
 def timing(rows: int, length: int, heads=32, kv_heads=8, D=64, reps=50) -> dict:
     dtype = mx.bfloat16
     q = mx.random.normal((rows, heads, 1, D)).astype(dtype)
-    k = mx.random.normal((rows, kv_heads, length + 64, D)).astype(dtype)[..., :length, :]
-    v = mx.random.normal((rows, kv_heads, length + 64, D)).astype(dtype)[..., :length, :]
+    kb = mx.random.normal((rows, kv_heads, length + 64, D)).astype(dtype)
+    vb = mx.random.normal((rows, kv_heads, length + 64, D)).astype(dtype)
+    k, v = kb[..., :length, :], vb[..., :length, :]
     padding = mx.random.randint(0, max(1, length // 4), (rows,)).astype(mx.int32)
     mask = create_causal_mask(1, offset=length - 1, left_padding=padding)
     scale = D ** -0.5
-    mx.eval(q, k, v, padding, mask)
+    mx.eval(q, kb, vb, k, v, padding, mask)
     calls = {
         "fused_no_mask": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale),
         "fused_masked": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
                                                                      mask=mask),
-        "kernel": lambda: da.ranged_attention(q, k, v, padding, scale)[0],
-        "kernel_lse": lambda: da.ranged_attention(q, k, v, padding, scale, with_lse=True),
+        "kernel": lambda: da.ranged_attention(q, kb, vb, padding, scale, length)[0],
+        "kernel_lse": lambda: da.ranged_attention(q, kb, vb, padding, scale, length,
+                                                  with_lse=True),
     }
     result = {"rows": rows, "length": length, "heads": heads, "kv_heads": kv_heads, "D": D,
               "splits": da.splits_for(rows, kv_heads, length)}

@@ -9,6 +9,7 @@ from test_shared_prefix import FIRST, SECOND, rows, run
 
 from batchrun.engine import decode_attention as da
 from batchrun.engine.engine import Engine
+from batchrun.engine.nvrtc import NvrtcError
 from batchrun.engine.request import EngineConfig, SamplingParams
 
 
@@ -38,6 +39,17 @@ def test_a_rows_range_gives_what_mlx_lms_mask_gives(splits, heads, kv_heads):
     scores = (q.reshape(5, kv_heads, G, 64) * 0.125) @ k.swapaxes(-1, -2)
     scores = mx.where((mx.arange(length) >= starts[:, None])[:, None, None], scores, -mx.inf)
     assert mx.allclose(lse, mx.logsumexp(scores, axis=-1).reshape(5, heads), atol=1e-5)
+
+
+def test_a_cache_buffer_is_read_up_to_its_filled_length():
+    q, k, v = inputs(length=40)
+    buffer_k = mx.concatenate([k, mx.random.normal(k.shape)], axis=2)  # 40 more unfilled slots
+    buffer_v = mx.concatenate([v, mx.random.normal(v.shape)], axis=2)
+    starts = mx.array([0, 5, 39, 2, 0])
+    whole, _ = da.ranged_attention(q, k, v, starts, 0.125)
+    filled, _ = da.ranged_attention(q, buffer_k, buffer_v, starts, 0.125, length=40)
+    assert mx.allclose(whole, filled)
+    assert not mx.allclose(whole, da.ranged_attention(q, buffer_k, buffer_v, starts, 0.125)[0])
 
 
 def test_splits_without_keys_weigh_nothing():
@@ -121,3 +133,24 @@ def test_rows_under_shared_prefixes_decode_the_same_with_row_ranges(demo, monkey
     cold, engine = run(demo, chats)
     assert engine.get_cache_stats()["hit_tokens"] > 0
     assert cold == expected and counted
+
+
+def test_without_a_compiler_decode_steps_keep_mlxs_attention_with_one_warning(
+        monkeypatch, caplog):
+    monkeypatch.setattr(da, "on_cuda", lambda: True)  # as on a CUDA machine without NVRTC
+    monkeypatch.setattr(da, "_refused", [])
+    da._compiled.cache_clear()
+
+    def missing(source, name):
+        raise NvrtcError("NVRTC (CUDA's runtime compiler) was not found")
+
+    monkeypatch.setattr(da, "compile_ptx", missing)
+    q, k, v = (x.astype(mx.bfloat16) for x in inputs())
+    with caplog.at_level("WARNING", logger="batchrun"):
+        assert not da.serves(q, k, v)
+        assert not da.serves(q, k, v)
+        out, _ = da.ranged_attention(q, k, v, mx.zeros((5,), mx.int32), 0.125)  # the reference
+    assert out.shape == (5, 8, 1, 64)
+    warnings = [r for r in caplog.records if "decode attention kernel" in r.message]
+    assert len(warnings) == 1 and "NVRTC" in warnings[0].message
+    da._compiled.cache_clear()

@@ -4,8 +4,9 @@ In a continuous batch each row's keys start at its own offset (left padding, or 
 joined late) and end at the batch's current length. mlx-lm passes that as an array mask, and
 MLX 0.32's fused decode attention on CUDA takes no array mask: every step fell back to unfused
 attention, ~6x slower a layer at 256 positions (BENCHMARKS.md, issue 6). Here a row's range is
-its start (`BatchKVCache.left_padding`) and the keys' length, and on CUDA one kernel
-(`mx.fast.cuda_kernel`) runs split-K flash decoding over it:
+its start (`BatchKVCache.left_padding`) and the keys' length, and on CUDA one kernel runs
+split-K flash decoding over it (compiled by NVRTC, nvrtc.py, and launched through
+`mx.fast.precompiled_cuda_kernel`):
 
 - a thread block takes one (row, KV head, split of the keys): the G query heads of that KV
   head read each key and value once (GQA);
@@ -22,11 +23,16 @@ the same contract with MLX ops; the engine uses the kernel only on CUDA.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
 from functools import cache
 
 import mlx.core as mx
+
+from batchrun.engine.nvrtc import NvrtcError, compile_ptx
+
+log = logging.getLogger("batchrun")
 
 # False (or BATCHRUN_DECODE_KERNEL=0): decode steps take MLX's attention with mlx-lm's mask.
 ENABLED = os.environ.get("BATCHRUN_DECODE_KERNEL", "1") != "0"
@@ -40,34 +46,37 @@ WARPS = 4
 TARGET_BLOCKS = 1024
 MIN_SPLIT_KEYS = 128
 
-_HEADER = """
+# One variant's source: self-contained (no includes), compiled by NVRTC (nvrtc.py) with these
+# defines first: NAME (the kernel's name), T_KIND (the inputs' type: 0 float32, 1 float16,
+# 2 bfloat16), D (head dimension), G (query heads a KV head), NW (warps a block). Grid:
+# (splits, kv_heads, rows) blocks of NW * 32 threads. Inputs, row-contiguous: q (rows,
+# kv_heads * G, 1, D), k and v (rows, kv_heads, capacity, D) of which the first `length`
+# slots are the keys, starts (rows,) int32; scalars: scale, length, capacity. Outputs: out
+# (rows, kv_heads * G, splits, D) float32, each split's output normalized by its own sum; lse
+# (rows, kv_heads * G, splits) float32, -inf for a split without keys.
+_SOURCE = r"""
 #define BR_INF __int_as_float(0x7f800000)
-__device__ __forceinline__ float br_float(float x) { return x; }
-__device__ __forceinline__ float br_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float br_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T> __device__ __forceinline__ T br_cast(float x);
-template <> __device__ __forceinline__ float br_cast<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half br_cast<__half>(float x) {
-  return __float2half(x);
-}
-template <> __device__ __forceinline__ __nv_bfloat16 br_cast<__nv_bfloat16>(float x) {
-  return __float2bfloat16(x);
-}
-template <typename T, int N> struct alignas(sizeof(T) * N) BrVec { T x[N]; };
-"""
+typedef unsigned short br_u16;
+template <int KIND> struct BrType { typedef br_u16 type; };
+template <> struct BrType<0> { typedef float type; };
+typedef BrType<T_KIND>::type T;
 
-# Grid: (WARPS * 32 * splits, kv_heads, rows), blocks of WARPS * 32 threads. Inputs: q
-# (rows, kv_heads * G, 1, D), k and v (rows, kv_heads, length, D) with unit stride along D,
-# starts (rows,) int32, scale (1,) float32. Outputs: out (rows, kv_heads * G, splits, D) in
-# OutT, each split's output normalized by its own sum; lse (rows, kv_heads * G, splits) float32,
-# -inf for a split without keys.
-_SOURCE = """
+template <int KIND> __device__ __forceinline__ float br_in(float x) { return x; }
+template <int KIND> __device__ __forceinline__ float br_in(br_u16 x) {
+  if (KIND == 2) return __uint_as_float(((unsigned)x) << 16);
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
+  return f;
+}
+template <int N> struct alignas(sizeof(T) * N) BrVec { T x[N]; };
+
+extern "C" __global__ void NAME(const T* q, const T* k, const T* v, const int* starts,
+                                float* out, float* lse, float scale, int length, int capacity) {
   constexpr int PER = D / 32;                 // output dims a lane accumulates
   constexpr int VEC = 16 / sizeof(T);         // elements of a 16-byte load
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int splits = gridDim.x, kv_heads = gridDim.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int length = k_shape[2];
   const int start = starts[b];
   const int per_split = (length - start + splits - 1) / splits;
   const int lo = start + split * per_split;
@@ -79,17 +88,14 @@ _SOURCE = """
   __shared__ float l_s[NW][G];
   __shared__ float o_s[NW][G][D];
 
-  const float sc = scale[0];
-  for (int i = threadIdx.x; i < G * D; i += NW * 32) {
-    const int g = i / D, d = i % D;
-    q_s[g][d] = br_float(q[(size_t)b * q_strides[0] + (size_t)(kvh * G + g) * q_strides[1]
-                           + (size_t)d * q_strides[3]]) * sc;
-  }
+  const T* qb = q + ((size_t)b * kv_heads * G + (size_t)kvh * G) * D;
+  for (int i = threadIdx.x; i < G * D; i += NW * 32)
+    q_s[i / D][i % D] = br_in<T_KIND>(qb[i]) * scale;
   __syncthreads();
 
-  const T* kb = k + (size_t)b * k_strides[0] + (size_t)kvh * k_strides[1];
-  const T* vb = v + (size_t)b * v_strides[0] + (size_t)kvh * v_strides[1];
-  const size_t krow = k_strides[2], vrow = v_strides[2];
+  const size_t head = ((size_t)b * kv_heads + kvh) * capacity * D;
+  const T* kb = k + head;
+  const T* vb = v + head;
 
   float m[G], l[G], o[G][PER];
   #pragma unroll
@@ -106,13 +112,13 @@ _SOURCE = """
     #pragma unroll
     for (int g = 0; g < G; ++g) s[g] = 0.f;
     if (key < hi) {
-      const T* kr = kb + (size_t)key * krow;
+      const T* kr = kb + (size_t)key * D;
       #pragma unroll
       for (int c = 0; c < D; c += VEC) {
-        const BrVec<T, VEC> kv = *reinterpret_cast<const BrVec<T, VEC>*>(kr + c);
+        const BrVec<VEC> kv = *reinterpret_cast<const BrVec<VEC>*>(kr + c);
         #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-          const float kf = br_float(kv.x[j]);
+          const float kf = br_in<T_KIND>(kv.x[j]);
           #pragma unroll
           for (int g = 0; g < G; ++g) s[g] += q_s[g][c + j] * kf;
         }
@@ -126,7 +132,7 @@ _SOURCE = """
       float top = s[g];
       #pragma unroll
       for (int off = 16; off > 0; off >>= 1)
-        top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, off));
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, off));
       const float m_new = fmaxf(m[g], top);
       float p = 0.f, corr = 1.f;
       if (m_new != -BR_INF) {
@@ -143,13 +149,13 @@ _SOURCE = """
     const int n = min(32, hi - base);
     #pragma unroll 4
     for (int j = 0; j < n; ++j) {
-      const BrVec<T, PER> vv =
-          *reinterpret_cast<const BrVec<T, PER>*>(vb + (size_t)(base + j) * vrow + lane * PER);
+      const BrVec<PER> vv =
+          *reinterpret_cast<const BrVec<PER>*>(vb + (size_t)(base + j) * D + lane * PER);
       #pragma unroll
       for (int g = 0; g < G; ++g) {
         const float p = p_s[warp][g][j];
         #pragma unroll
-        for (int e = 0; e < PER; ++e) o[g][e] += p * br_float(vv.x[e]);
+        for (int e = 0; e < PER; ++e) o[g][e] += p * br_in<T_KIND>(vv.x[e]);
       }
     }
     __syncwarp();
@@ -159,7 +165,7 @@ _SOURCE = """
   for (int g = 0; g < G; ++g) {
     float sum = l[g];
     #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, off);
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     if (lane == 0) {
       m_s[warp][g] = m[g];
       l_s[warp][g] = sum;
@@ -183,27 +189,42 @@ _SOURCE = """
         acc += o_s[w][g][d] * f;
       }
     }
-    const size_t row = ((size_t)b * kv_heads * G + kvh * G + g) * splits + split;
-    out[row * D + d] = br_cast<OutT>(total > 0.f ? acc / total : 0.f);
+    const size_t row = ((size_t)b * kv_heads * G + (size_t)kvh * G + g) * splits + split;
+    out[row * D + d] = total > 0.f ? acc / total : 0.f;
     if (d == 0) lse[row] = total > 0.f ? top + logf(total) : -BR_INF;
   }
+}
 """
+_KINDS = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
+_refused: list[str] = []  # why the kernel cannot run in this process, once known
+
+
+def variant_source(name: str, dtype: mx.Dtype, D: int, G: int) -> str:
+    defines = {"NAME": name, "T_KIND": _KINDS[dtype], "D": D, "G": G, "NW": WARPS}
+    return "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE
 
 
 @cache
-def _kernel():
-    # MLX keeps compiled kernels on disk by name (MLX_PTX_CACHE_DIR, else /tmp/mlx): the name
-    # carries the source's hash, so a changed kernel is never served from an older build.
-    digest = hashlib.sha256((_HEADER + _SOURCE).encode()).hexdigest()[:12]
-    return mx.fast.cuda_kernel(
-        name=f"batchrun_ranged_decode_{digest}", input_names=["q", "k", "v", "starts", "scale"],
-        output_names=["out", "lse"], source=_SOURCE, header=_HEADER,
-        ensure_row_contiguous=False)
+def _compiled(dtype: mx.Dtype, D: int, G: int) -> tuple[str, bytes]:
+    """(name, PTX) of one variant; the name carries the source's hash: MLX keeps loaded
+    modules by name."""
+    digest = hashlib.sha256(variant_source("", dtype, D, G).encode()).hexdigest()
+    name = f"batchrun_ranged_decode_{digest[:16]}"
+    return name, compile_ptx(variant_source(name, dtype, D, G), name + ".cu")
 
 
-@cache
-def _scale(scale: float) -> mx.array:
-    return mx.array([scale], mx.float32)
+def _launch(queries: mx.array, keys: mx.array, values: mx.array, starts: mx.array,
+            scale: float, length: int, splits: int) -> tuple[mx.array, mx.array]:
+    rows, heads, _, D = queries.shape
+    kv_heads = keys.shape[1]
+    name, ptx = _compiled(queries.dtype, D, heads // kv_heads)
+    return mx.fast.precompiled_cuda_kernel(
+        name=name, compiled_source=ptx, inputs=[queries, keys, values, starts],
+        output_shapes=[(rows, heads, splits, D), (rows, heads, splits)],
+        output_dtypes=[mx.float32, mx.float32],
+        scalars=[float(scale), int(length), keys.shape[2]],
+        grid=(WARPS * 32 * splits, kv_heads, rows), threadgroup=(WARPS * 32, 1, 1),
+        ensure_row_contiguous=True)
 
 
 def on_cuda() -> bool:
@@ -216,8 +237,19 @@ def wanted() -> bool:
 
 
 def _kernel_takes(queries: mx.array, keys: mx.array) -> bool:
-    return (on_cuda() and queries.shape[-1] in HEAD_DIMS and queries.dtype == keys.dtype
-            and keys.dtype in (mx.bfloat16, mx.float16, mx.float32))
+    """Whether the kernel runs this call: CUDA, a head dimension and dtype it was written for,
+    and NVRTC compiled it (a failure is logged once, and the process keeps MLX's attention)."""
+    if not (on_cuda() and queries.shape[-1] in HEAD_DIMS and queries.dtype == keys.dtype
+            and keys.dtype in _KINDS) or _refused:
+        return False
+    try:
+        _compiled(keys.dtype, queries.shape[-1], queries.shape[1] // keys.shape[1])
+    except (NvrtcError, OSError) as e:
+        _refused.append(str(e))
+        log.warning("the decode attention kernel is not available (%s); decode steps take "
+                    "MLX's attention with a mask", e)
+        return False
+    return True
 
 
 def serves(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
@@ -237,26 +269,23 @@ def splits_for(rows: int, kv_heads: int, keys: int) -> int:
 
 
 def ranged_attention(queries: mx.array, keys: mx.array, values: mx.array, starts: mx.array,
-                     scale: float, with_lse: bool = False, splits: int | None = None
-                     ) -> tuple[mx.array, mx.array | None]:
+                     scale: float, length: int | None = None, with_lse: bool = False,
+                     splits: int | None = None) -> tuple[mx.array, mx.array | None]:
     """Attention of each row's one query (rows, heads, 1, D) over its keys [starts[row],
-    length): (output, log-sum-exp or None). With `with_lse` the output is float32 (it is
-    merged further), otherwise the queries' dtype. On CUDA the kernel, elsewhere `reference`."""
+    length) of `keys` and `values` (rows, kv_heads, capacity, D): a batch cache's buffers,
+    whose first `length` slots (None: all) are filled. (output, log-sum-exp or None); with
+    `with_lse` the output is float32 (it is merged further), otherwise the queries' dtype. On
+    CUDA the kernel, elsewhere `reference`."""
     rows, heads, _, D = queries.shape
-    kv_heads, length = keys.shape[1], keys.shape[2]
+    kv_heads = keys.shape[1]
+    length = keys.shape[2] if length is None else length
     n = splits or splits_for(rows, kv_heads, length)
     starts = starts.astype(mx.int32) if starts.dtype != mx.int32 else starts
     if _kernel_takes(queries, keys):
-        out_dtype = mx.float32 if (with_lse or n > 1) else queries.dtype
-        out, lse = _kernel()(
-            inputs=[queries, keys, values, starts, _scale(scale)],
-            template=[("T", queries.dtype), ("OutT", out_dtype), ("D", D),
-                      ("G", heads // kv_heads), ("NW", WARPS)],
-            grid=(WARPS * 32 * n, kv_heads, rows), threadgroup=(WARPS * 32, 1, 1),
-            output_shapes=[(rows, heads, n, D), (rows, heads, n)],
-            output_dtypes=[out_dtype, mx.float32])
+        out, lse = _launch(queries, keys, values, starts, scale, length, n)
     else:
-        out, lse = reference(queries, keys, values, starts, scale, n)
+        out, lse = reference(queries, keys[..., :length, :], values[..., :length, :], starts,
+                             scale, n)
     if n > 1:
         out, lse = merge_splits(out, lse)
     else:

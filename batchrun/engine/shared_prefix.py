@@ -220,8 +220,8 @@ def install(model: Any) -> bool:
                     return attention_with_prefix(queries, keys, values, cache, scale, mask,
                                                  sinks)
                 if sinks is None and decode_attention.serves(queries, keys, values):
-                    return ranged_attention(queries, keys, values, cache.left_padding,
-                                            scale)[0]
+                    return ranged_attention(queries, cache.keys, cache.values,
+                                            cache.left_padding, scale, cache._idx)[0]
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
         module.scaled_dot_product_attention = routed
@@ -239,8 +239,8 @@ def attention_with_prefix(queries: mx.array, keys: mx.array, values: mx.array,
     G = n_heads // kv_heads  # query heads per KV head
     q = (queries.astype(mx.float32) * scale).reshape(B, kv_heads, G * L, D)
     if decode_attention.serves(queries, keys, values):  # a decode step on CUDA: no mask
-        out, lse = ranged_attention(queries, keys, values, cache.left_padding, scale,
-                                    with_lse=True)
+        out, lse = ranged_attention(queries, cache.keys, cache.values, cache.left_padding,
+                                    scale, cache._idx, with_lse=True)
         out, lse = out.reshape(B, kv_heads, G, D), lse.reshape(B, kv_heads, G)
     else:
         scores = q @ keys.astype(mx.float32).swapaxes(-1, -2)  # (B, kv_heads, G*L, own)
