@@ -154,3 +154,31 @@ def test_without_a_compiler_decode_steps_keep_mlxs_attention_with_one_warning(
     warnings = [r for r in caplog.records if "decode attention kernel" in r.message]
     assert len(warnings) == 1 and "NVRTC" in warnings[0].message
     da._compiled.cache_clear()
+
+
+def test_a_launch_mlx_refuses_falls_back_for_the_process(monkeypatch, caplog):
+    monkeypatch.setattr(da, "on_cuda", lambda: True)
+    monkeypatch.setattr(da, "_refused", [])
+    monkeypatch.setattr(da, "_compiled", lambda *args: ("name", b"ptx"))
+
+    def refused(*args):
+        raise ValueError("[precompiled_cuda_kernel] Invalid scalar argument type")
+
+    monkeypatch.setattr(da, "_launch", refused)
+    q, k, v = (x.astype(mx.bfloat16) for x in inputs())
+    starts = mx.array([0, 3, 100, 299, 17])
+    with caplog.at_level("WARNING", logger="batchrun"):
+        assert da.serves(q, k, v)
+        out, lse = da.ranged_attention(q, k, v, starts, 0.125, with_lse=True)
+        assert not da.serves(q, k, v)  # the rest of the process: MLX's attention
+    expected, _ = da.ranged_attention(q.astype(mx.float32), k.astype(mx.float32),
+                                      v.astype(mx.float32), starts, 0.125, with_lse=True)
+    assert mx.allclose(out, expected, atol=1e-2)
+    assert sum("decode attention kernel" in r.message for r in caplog.records) == 1
+
+
+def test_a_scale_float32_cannot_hold_is_rounded_for_the_launch():
+    scale = 128 ** -0.5  # MLX passes a float scalar only if float32 holds it exactly
+    rounded = da._as_float32(scale)
+    assert rounded != scale and abs(rounded - scale) < 1e-8
+    assert da._as_float32(rounded) == rounded

@@ -26,6 +26,7 @@ import hashlib
 import logging
 import math
 import os
+import struct
 from functools import cache
 
 import mlx.core as mx
@@ -213,6 +214,12 @@ def _compiled(dtype: mx.Dtype, D: int, G: int) -> tuple[str, bytes]:
     return name, compile_ptx(variant_source(name, dtype, D, G), name + ".cu")
 
 
+@cache
+def _as_float32(x: float) -> float:
+    """`x` rounded to float32: MLX passes a float scalar only if float32 holds it exactly."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 def _launch(queries: mx.array, keys: mx.array, values: mx.array, starts: mx.array,
             scale: float, length: int, splits: int) -> tuple[mx.array, mx.array]:
     rows, heads, _, D = queries.shape
@@ -222,7 +229,7 @@ def _launch(queries: mx.array, keys: mx.array, values: mx.array, starts: mx.arra
         name=name, compiled_source=ptx, inputs=[queries, keys, values, starts],
         output_shapes=[(rows, heads, splits, D), (rows, heads, splits)],
         output_dtypes=[mx.float32, mx.float32],
-        scalars=[float(scale), int(length), keys.shape[2]],
+        scalars=[_as_float32(scale), int(length), keys.shape[2]],
         grid=(WARPS * 32 * splits, kv_heads, rows), threadgroup=(WARPS * 32, 1, 1),
         ensure_row_contiguous=True)
 
@@ -245,11 +252,15 @@ def _kernel_takes(queries: mx.array, keys: mx.array) -> bool:
     try:
         _compiled(keys.dtype, queries.shape[-1], queries.shape[1] // keys.shape[1])
     except (NvrtcError, OSError) as e:
-        _refused.append(str(e))
-        log.warning("the decode attention kernel is not available (%s); decode steps take "
-                    "MLX's attention with a mask", e)
+        _refuse(e)
         return False
     return True
+
+
+def _refuse(error: Exception) -> None:
+    _refused.append(str(error))
+    log.warning("the decode attention kernel is not available (%s); decode steps take MLX's "
+                "attention with a mask", error)
 
 
 def serves(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
@@ -281,9 +292,13 @@ def ranged_attention(queries: mx.array, keys: mx.array, values: mx.array, starts
     length = keys.shape[2] if length is None else length
     n = splits or splits_for(rows, kv_heads, length)
     starts = starts.astype(mx.int32) if starts.dtype != mx.int32 else starts
+    out = None
     if _kernel_takes(queries, keys):
-        out, lse = _launch(queries, keys, values, starts, scale, length, n)
-    else:
+        try:
+            out, lse = _launch(queries, keys, values, starts, scale, length, n)
+        except (ValueError, RuntimeError) as e:  # MLX refused the launch: keep MLX's path
+            _refuse(e)
+    if out is None:
         out, lse = reference(queries, keys[..., :length, :], values[..., :length, :], starts,
                              scale, n)
     if n > 1:
