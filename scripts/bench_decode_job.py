@@ -3,11 +3,13 @@ batch_generate, each a fresh process, on the same rows (N raw prompts of ~128 to
 new tokens, greedy).
 
     python scripts/bench_decode_job.py OUT_DIR --model PATH [--rows 1024] [--max-tokens 256]
-        [--concurrency 256,1024] [--systems batchrun,masked,batch_generate] [--flags "..."]
+        [--concurrency 256,1024] [--systems batchrun,masked,nocudnn,batch_generate]
+        [--flags "..."]
 
 - batchrun: `batchrun run ROWS --max-tokens N --model PATH` (no other flags); tok/s over the
   report's job wall (the job loop: reading, tokenizing, feeding, writing, committing);
 - masked: the same with BATCHRUN_DECODE_KERNEL=0 (decode attention through mlx-lm's mask);
+- nocudnn: the same with MLX_CUDA_USE_CUDNN_SDPA=0 (MLX's prefill attention without cuDNN);
 - batch_generate: mlx-lm's batch_generate on the same prompts' tokens at each concurrency;
   tok/s over its own call (after imports, loading and tokenizing).
 Generated tokens: the rows' completion tokens (a row may stop early at an end token).
@@ -45,6 +47,13 @@ print(json.dumps({"wall_s": time.perf_counter() - start,
                   "peak_memory_bytes": mx.get_peak_memory()}))
 '''
 
+# batchrun's systems: the environment each runs with.
+ENV = {"batchrun": {},
+       "masked": {"BATCHRUN_DECODE_KERNEL": "0"},
+       # MLX's prefill attention without cuDNN (which builds a graph for every new shape)
+       "nocudnn": {"MLX_CUDA_USE_CUDNN_SDPA": "0"}}
+
+
 def write_rows(path: Path, rows: int, words: int) -> None:
     """Rows of synthetic reviews, each about `words` words."""
     rng = random.Random(0)
@@ -80,8 +89,8 @@ def main() -> None:
     write_rows(rows, args.rows, args.words)
     results = []
     for system in args.systems.split(","):
-        if system in ("batchrun", "masked"):
-            env = {**os.environ, "BATCHRUN_DECODE_KERNEL": "0"} if system == "masked" else None
+        if system in ENV:
+            env = {**os.environ, **ENV[system]}
             job = out / f"job-{system}"
             start = time.perf_counter()
             run([sys.executable, "-m", "batchrun", "run", str(rows), "--quiet", "--max-tokens",
