@@ -12,7 +12,9 @@ row, and admission budgets a row's own tokens only.
 It plugs into mlx-lm's models without forking them: through the cache objects they call
 (`update_and_fetch`, `make_mask`, `offset` for RoPE positions, which count the prefix) and the
 attention function their modules share (`scaled_dot_product_attention`, wrapped per model
-module by `install`). A batch without a shared prefix takes MLX's fused attention as before.
+module by `install`). A batch without a shared prefix takes MLX's fused attention as before;
+on CUDA, decode steps of these batch caches (shared prefix or not) take each row's key range
+instead of a mask (decode_attention.py), for the rows' own part here too.
 """
 
 from __future__ import annotations
