@@ -41,6 +41,15 @@ def test_a_rows_range_gives_what_mlx_lms_mask_gives(splits, heads, kv_heads):
     assert mx.allclose(lse, mx.logsumexp(scores, axis=-1).reshape(5, heads), atol=1e-5)
 
 
+def test_a_row_without_keys_gets_zeros_not_nan_whatever_the_splits():
+    q, k, v = inputs(rows=2, length=10)
+    for splits in (1, 3):
+        out, lse = da.ranged_attention(q, k, v, mx.array([10, 0]), 0.125, with_lse=True,
+                                       splits=splits)
+        assert not mx.isnan(out).any() and (out[0] == 0).all()
+        assert mx.isinf(lse[0]).all() and not mx.isinf(lse[1]).any()
+
+
 def test_a_cache_buffer_is_read_up_to_its_filled_length():
     q, k, v = inputs(length=40)
     buffer_k = mx.concatenate([k, mx.random.normal(k.shape)], axis=2)  # 40 more unfilled slots
@@ -124,6 +133,29 @@ def test_greedy_tokens_do_not_change_when_decode_steps_take_row_ranges(
     monkeypatch.setattr(da, "EVERYWHERE", True)
     assert engine_tokens(demo, prompts, concurrency) == expected
     assert counted and max(counted) == min(concurrency, 24)
+
+
+def test_rows_holding_copies_of_cached_blocks_join_rows_without(demo, monkeypatch, counted):
+    """--no-shared-prefix with a prefix cache: a row without cached blocks is inserted, then,
+    in the same step, rows after a freshly computed prefix (copies of its blocks): one prefill
+    holds both, and no fault restarts the batch."""
+    chats = [[{"role": "user", "content": "hi"}]] + rows(FIRST, 4)
+    expected, _ = run(demo, chats, prefix=False)
+    monkeypatch.setattr(da, "EVERYWHERE", True)
+    tokens, engine = run(demo, chats, shared=False)
+    assert engine.get_cache_stats()["hit_tokens"] > 0
+    assert tokens == expected and engine.faults == 0
+
+
+def test_the_kernel_is_not_asked_for_more_shared_memory_than_a_block_has(monkeypatch):
+    monkeypatch.setattr(da, "on_cuda", lambda: True)
+    monkeypatch.setattr(da, "_refused", [])
+    monkeypatch.setattr(da, "_compiled", lambda *args: ("name", b"ptx"))
+    q = mx.zeros((1, 16, 1, 128), mx.bfloat16)  # 16 query heads a KV head, head size 128
+    k = mx.zeros((1, 1, 8, 128), mx.bfloat16)
+    assert da.shared_bytes(16, 128) > da.SHARED_LIMIT >= da.shared_bytes(8, 128)
+    assert not da._kernel_takes(q, k)
+    assert da._kernel_takes(q[:, :8], k)
 
 
 def test_rows_under_shared_prefixes_decode_the_same_with_row_ranges(demo, monkeypatch, counted):

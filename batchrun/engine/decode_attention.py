@@ -46,6 +46,7 @@ WARPS = 4
 # split at least MIN_SPLIT_KEYS keys.
 TARGET_BLOCKS = 1024
 MIN_SPLIT_KEYS = 128
+SHARED_LIMIT = 48 * 1024  # static shared memory a block may declare
 
 # One variant's source: self-contained (no includes), compiled by NVRTC (nvrtc.py) with these
 # defines first: NAME (the kernel's name), T_KIND (the inputs' type: 0 float32, 1 float16,
@@ -246,15 +247,22 @@ def wanted() -> bool:
 def _kernel_takes(queries: mx.array, keys: mx.array) -> bool:
     """Whether the kernel runs this call: CUDA, a head dimension and dtype it was written for,
     and NVRTC compiled it (a failure is logged once, and the process keeps MLX's attention)."""
+    G = queries.shape[1] // keys.shape[1]
     if not (on_cuda() and queries.shape[-1] in HEAD_DIMS and queries.dtype == keys.dtype
-            and keys.dtype in _KINDS) or _refused:
+            and keys.dtype in _KINDS and shared_bytes(G, queries.shape[-1]) <= SHARED_LIMIT) \
+            or _refused:
         return False
     try:
-        _compiled(keys.dtype, queries.shape[-1], queries.shape[1] // keys.shape[1])
+        _compiled(keys.dtype, queries.shape[-1], G)
     except (NvrtcError, OSError) as e:
         _refuse(e)
         return False
     return True
+
+
+def shared_bytes(G: int, D: int) -> int:
+    """The kernel's static shared memory: q_s, p_s, m_s and l_s, o_s (float32)."""
+    return 4 * (G * D + WARPS * G * 32 + 2 * WARPS * G + WARPS * G * D)
 
 
 def _refuse(error: Exception) -> None:
@@ -315,7 +323,7 @@ def merge_splits(out: mx.array, lse: mx.array) -> tuple[mx.array, mx.array]:
     """Splits' outputs (rows, heads, splits, D) and log-sum-exps (rows, heads, splits) as one:
     (rows, heads, D) float32, (rows, heads). A split without keys has -inf and weighs 0."""
     total = mx.logsumexp(lse, axis=-1)
-    weights = mx.exp(lse - total[..., None])
+    weights = mx.exp(lse - mx.where(mx.isinf(total), 0.0, total)[..., None])  # no keys: 0
     return (weights[..., None] * out.astype(mx.float32)).sum(axis=2), total
 
 

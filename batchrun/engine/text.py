@@ -59,6 +59,7 @@ class TextBackend:
         self._logprob_uids: set[int] = set()  # running rows whose steps carry logprobs
         self._gen: BatchGenerator | None = None
         self.shares_prefix = False  # rows attend one shared copy of a cached prefix
+        self._copies = False  # rows with cached blocks hold copies of them (no sharing)
         self._shared: OrderedDict[tuple[bytes, int], SharedPrefix] = OrderedDict()
         caches = make_prompt_cache(model)
         self._layers = len(caches)
@@ -67,10 +68,12 @@ class TextBackend:
         self._ranged = (decode_attention.wanted() and all(type(c) is KVCache for c in caches)
                         and install(model))
 
-    def share_prefixes(self, on: bool) -> bool:
+    def share_prefixes(self, on: bool, copies: bool = False) -> bool:
         """Rows starting from cached blocks attend one shared copy of them (shared_prefix.py)
-        where the model's architecture allows; returns whether they do."""
+        where the model's architecture allows (`copies`: each holds a copy of them); returns
+        whether they share."""
         self.shares_prefix = on and install(self.model)
+        self._copies = copies and not self.shares_prefix
         return self.shares_prefix
 
     def start(self, max_concurrency: int, config: EngineConfig) -> None:
@@ -128,7 +131,10 @@ class TextBackend:
         reference to the one shared copy of them, extended by the tokens rows go on sharing
         past their blocks (`_share_tails`)."""
         if not self.shares_prefix:
-            if self._ranged and not any(blocks):  # the batch cache that takes row ranges
+            # Without a prefix cache: the batch cache that takes row ranges. Not beside rows
+            # holding copies of blocks: one prefill can hold rows of two inserts, and mlx-lm
+            # merges their caches by one class.
+            if self._ranged and not self._copies:
                 return [[PrefixedCache(None, layer) for layer in range(self._layers)]
                         for _ in seqs]
             return [PrefixCache.to_kv_caches(b) if b else None for b in blocks]
