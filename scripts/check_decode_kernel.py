@@ -8,7 +8,8 @@
 2. Greedy tokens: the engine on a small model with the kernel and without it (MLX's attention
    with mlx-lm's mask), in float32 and in bfloat16.
 3. Cost of one layer's decode attention: MLX's fused attention without a mask (the floor),
-   with mlx-lm's mask (what a continuous batch ran), and the kernel.
+   with mlx-lm's mask (what a continuous batch ran), and the kernel (also with 2 and 8 warps a
+   thread block instead of 4).
 
 Writes OUT_DIR/decode_kernel.json. CI has no GPU; the CPU tests cover `reference` and the
 dispatch.
@@ -99,6 +100,19 @@ def greedy(model_dir: str) -> list[dict]:
     return results
 
 
+WARPS_SWEEP = (2, 8)
+
+
+def timed(call, reps: int) -> float:
+    """Milliseconds a call, after three warm-up calls."""
+    for _ in range(3):
+        mx.eval(call())
+    start = time.perf_counter()
+    for _ in range(reps):
+        mx.eval(call())
+    return (time.perf_counter() - start) / reps * 1000
+
+
 def timing(rows: int, length: int, heads=32, kv_heads=8, D=64, reps=50) -> dict:
     dtype = mx.bfloat16
     q = mx.random.normal((rows, heads, 1, D)).astype(dtype)
@@ -120,12 +134,12 @@ def timing(rows: int, length: int, heads=32, kv_heads=8, D=64, reps=50) -> dict:
     result = {"rows": rows, "length": length, "heads": heads, "kv_heads": kv_heads, "D": D,
               "splits": da.splits_for(rows, kv_heads, length)}
     for name, call in calls.items():
-        for _ in range(3):
-            mx.eval(call())
-        start = time.perf_counter()
-        for _ in range(reps):
-            mx.eval(call())
-        result[name + "_ms"] = (time.perf_counter() - start) / reps * 1000
+        result[name + "_ms"] = timed(call, reps)
+    default = da.WARPS
+    for warps in WARPS_SWEEP:  # warps a thread block (a define of the kernel's source)
+        da.WARPS = warps
+        result[f"kernel_{warps}_warps_ms"] = timed(calls["kernel"], reps)
+    da.WARPS = default
     result["kv_gb_per_s_kernel"] = 2 * k.nbytes / (result["kernel_ms"] / 1000) / 1e9
     print(json.dumps(result), flush=True)
     return result
