@@ -201,18 +201,18 @@ _KINDS = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
 _refused: list[str] = []  # why the kernel cannot run in this process, once known
 
 
-def variant_source(name: str, dtype: mx.Dtype, D: int, G: int) -> str:
-    defines = {"NAME": name, "T_KIND": _KINDS[dtype], "D": D, "G": G, "NW": WARPS}
+def variant_source(name: str, dtype: mx.Dtype, D: int, G: int, warps: int) -> str:
+    defines = {"NAME": name, "T_KIND": _KINDS[dtype], "D": D, "G": G, "NW": warps}
     return "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE
 
 
 @cache
-def _compiled(dtype: mx.Dtype, D: int, G: int) -> tuple[str, bytes]:
+def _compiled(dtype: mx.Dtype, D: int, G: int, warps: int) -> tuple[str, bytes]:
     """(name, PTX) of one variant; the name carries the source's hash: MLX keeps loaded
     modules by name."""
-    digest = hashlib.sha256(variant_source("", dtype, D, G).encode()).hexdigest()
+    digest = hashlib.sha256(variant_source("", dtype, D, G, warps).encode()).hexdigest()
     name = f"batchrun_ranged_decode_{digest[:16]}"
-    return name, compile_ptx(variant_source(name, dtype, D, G), name + ".cu")
+    return name, compile_ptx(variant_source(name, dtype, D, G, warps), name + ".cu")
 
 
 @cache
@@ -225,7 +225,7 @@ def _launch(queries: mx.array, keys: mx.array, values: mx.array, starts: mx.arra
             scale: float, length: int, splits: int) -> tuple[mx.array, mx.array]:
     rows, heads, _, D = queries.shape
     kv_heads = keys.shape[1]
-    name, ptx = _compiled(queries.dtype, D, heads // kv_heads)
+    name, ptx = _compiled(queries.dtype, D, heads // kv_heads, WARPS)
     return mx.fast.precompiled_cuda_kernel(
         name=name, compiled_source=ptx, inputs=[queries, keys, values, starts],
         output_shapes=[(rows, heads, splits, D), (rows, heads, splits)],
@@ -253,7 +253,7 @@ def _kernel_takes(queries: mx.array, keys: mx.array) -> bool:
             or _refused:
         return False
     try:
-        _compiled(keys.dtype, queries.shape[-1], G)
+        _compiled(keys.dtype, queries.shape[-1], G, WARPS)
     except (NvrtcError, OSError) as e:
         _refuse(e)
         return False
