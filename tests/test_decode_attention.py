@@ -151,6 +151,7 @@ def test_the_kernel_is_not_asked_for_more_shared_memory_than_a_block_has(monkeyp
     monkeypatch.setattr(da, "on_cuda", lambda: True)
     monkeypatch.setattr(da, "_refused", [])
     monkeypatch.setattr(da, "_compiled", lambda *args: ("name", b"ptx"))
+    monkeypatch.setattr(da, "_verify", lambda *args: None)
     q = mx.zeros((1, 16, 1, 128), mx.bfloat16)  # 16 query heads a KV head, head size 128
     k = mx.zeros((1, 1, 8, 128), mx.bfloat16)
     assert da.shared_bytes(16, 128) > da.SHARED_LIMIT >= da.shared_bytes(8, 128)
@@ -192,6 +193,7 @@ def test_a_launch_mlx_refuses_falls_back_for_the_process(monkeypatch, caplog):
     monkeypatch.setattr(da, "on_cuda", lambda: True)
     monkeypatch.setattr(da, "_refused", [])
     monkeypatch.setattr(da, "_compiled", lambda *args: ("name", b"ptx"))
+    monkeypatch.setattr(da, "_verify", lambda *args: None)
 
     def refused(*args):
         raise ValueError("[precompiled_cuda_kernel] Invalid scalar argument type")
@@ -214,3 +216,31 @@ def test_a_scale_float32_cannot_hold_is_rounded_for_the_launch():
     rounded = da._as_float32(scale)
     assert rounded != scale and abs(rounded - scale) < 1e-8
     assert da._as_float32(rounded) == rounded
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_kernel_variant_is_checked_against_the_reference_before_rows_use_it(
+        monkeypatch, caplog, broken):
+    monkeypatch.setattr(da, "on_cuda", lambda: True)
+    monkeypatch.setattr(da, "_refused", [])
+    monkeypatch.setattr(da, "_compiled", lambda *args: ("name", b"ptx"))
+    da._verify.cache_clear()
+    launched = []
+
+    def launch(q, k, v, starts, scale, length, splits):  # the kernel's contract, or not
+        launched.append(q.shape)
+        out, lse = da.reference(q, k[..., :length, :], v[..., :length, :], starts, scale,
+                                splits)
+        return (out + 0.5, lse) if broken else (out, lse)
+
+    monkeypatch.setattr(da, "_launch", launch)
+    q, k, v = (x.astype(mx.bfloat16) for x in inputs())
+    with caplog.at_level("WARNING", logger="batchrun"):
+        assert da.serves(q, k, v) is not broken
+        assert da.serves(q, k, v) is not broken
+    assert len(launched) == 1  # once a variant
+    warnings = [r.message for r in caplog.records if "decode attention kernel" in r.message]
+    assert warnings == (["the decode attention kernel is not available (its results differ "
+                         "from MLX's by 0.5 on a test input); decode steps take MLX's "
+                         "attention with a mask"] if broken else [])
+    da._verify.cache_clear()

@@ -254,10 +254,33 @@ def _kernel_takes(queries: mx.array, keys: mx.array) -> bool:
         return False
     try:
         _compiled(keys.dtype, queries.shape[-1], G, WARPS)
-    except (NvrtcError, OSError) as e:
+        _verify(keys.dtype, queries.shape[-1], G, WARPS)
+    except (NvrtcError, OSError, ValueError, RuntimeError) as e:
         _refuse(e)
         return False
     return True
+
+
+# How far a variant's first results may be from `reference`'s, by input type.
+TOLERANCE = {mx.float32: 1e-4, mx.float16: 5e-3, mx.bfloat16: 3e-2}
+
+
+@cache
+def _verify(dtype: mx.Dtype, D: int, G: int, warps: int) -> None:
+    """A variant's first call, before any row depends on it: small random inputs (two rows,
+    one left-padded, two splits, keys a slice of a larger buffer) against `reference`;
+    ValueError if they differ (a GPU or driver it was never run on, say)."""
+    key = mx.random.key(0)
+    q, k, v = (mx.random.normal(shape, key=mx.random.split(key, 3)[i]).astype(dtype)
+               for i, shape in enumerate([(2, G, 1, D), (2, 1, 300, D), (2, 1, 300, D)]))
+    starts = mx.array([0, 37], mx.int32)
+    out, lse = _launch(q, k, v, starts, D ** -0.5, 260, 2)
+    with mx.stream(mx.cpu):  # exact float32 (CUDA's float32 matmuls may round as TF32)
+        expected, expected_lse = reference(q, k[..., :260, :], v[..., :260, :], starts,
+                                           D ** -0.5, 2)
+    error = max(mx.abs(out - expected).max().item(), mx.abs(lse - expected_lse).max().item())
+    if not error <= TOLERANCE[dtype]:  # NaN fails too
+        raise ValueError(f"its results differ from MLX's by {error:.3g} on a test input")
 
 
 def shared_bytes(G: int, D: int) -> int:
