@@ -2,6 +2,8 @@
 here through `reference`, the same contract in MLX ops), the dispatch that picks it, and the
 engine's greedy tokens when decode steps take it."""
 
+import sys
+
 import mlx.core as mx
 import pytest
 from mlx_lm.models.base import create_causal_mask
@@ -244,3 +246,15 @@ def test_a_kernel_variant_is_checked_against_the_reference_before_rows_use_it(
                          "from MLX's by 0.5 on a test input); decode steps take MLX's "
                          "attention with a mask"] if broken else [])
     da._verify.cache_clear()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="NVIDIA ships NVRTC's wheels for Linux")
+@pytest.mark.parametrize("dtype,heads_per_kv", [(mx.bfloat16, (1, 4, 8)), (mx.float16, (4,)),
+                                                (mx.float32, (4,))])
+def test_the_kernels_source_compiles_to_ptx_with_the_launched_name(dtype, heads_per_kv):
+    """No GPU here: NVRTC (from nvidia-cuda-nvrtc, a test dependency) still compiles."""
+    for D in da.HEAD_DIMS:
+        for G in heads_per_kv:
+            name, ptx = da._compiled(dtype, D, G, da.WARPS)
+            assert ptx.endswith(b"\0")  # the driver reads PTX up to its NUL
+            assert f".visible .entry {name}(".encode() in ptx

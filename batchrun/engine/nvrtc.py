@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 from functools import cache
+from pathlib import Path
 
 # Sonames of NVRTC by CUDA major version; MLX's CUDA wheels link one of them, so it is in the
 # process already when MLX's CUDA backend is.
@@ -26,13 +27,25 @@ class NvrtcError(RuntimeError):
 
 @cache
 def _library() -> ctypes.CDLL:
+    """The NVRTC MLX loaded (by soname), else one from NVIDIA's PyPI packages."""
     errors = []
-    for name in LIBRARIES:
+    for name in (*LIBRARIES, *_packaged()):
         try:
             return ctypes.CDLL(name)
         except OSError as e:
             errors.append(str(e))
     raise NvrtcError("NVRTC (CUDA's runtime compiler) was not found: " + "; ".join(errors))
+
+
+def _packaged() -> list[str]:
+    """NVRTC libraries in the `nvidia` namespace package (nvidia-cuda-nvrtc's wheels)."""
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    return sorted(str(path) for folder in nvidia.__path__
+                  for path in Path(folder).glob("*/lib/libnvrtc.so*")
+                  if "builtins" not in path.name)
 
 
 def _check(lib: ctypes.CDLL, result: int, what: str) -> None:
