@@ -306,8 +306,8 @@ def serves(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
 
 def splits_for(rows: int, kv_heads: int, keys: int) -> int:
     """Splits of the keys: a narrow batch spreads a long context over more thread blocks."""
-    wanted = math.ceil(TARGET_BLOCKS / max(1, rows * kv_heads))
-    return max(1, min(wanted, keys // MIN_SPLIT_KEYS))
+    spread = math.ceil(TARGET_BLOCKS / max(1, rows * kv_heads))
+    return max(1, min(spread, keys // MIN_SPLIT_KEYS))
 
 
 def ranged_attention(queries: mx.array, keys: mx.array, values: mx.array, starts: mx.array,
@@ -369,11 +369,20 @@ def reference(queries: mx.array, keys: mx.array, values: mx.array, starts: mx.ar
     lo, hi = split_bounds(starts, length, splits)
     position = mx.arange(length)
     inside = ((position >= lo[..., None]) & (position < hi[..., None]))  # (rows, splits, len)
-    s = mx.where(inside[:, None, None], scores[:, :, :, None], -mx.inf)  # (r, kvh, G, sp, len)
-    peak = s.max(axis=-1, keepdims=True)
-    empty = mx.isinf(peak)
-    weights = mx.exp(s - mx.where(empty, 0.0, peak))
-    total = weights.sum(axis=-1, keepdims=True)
-    out = (weights @ values.astype(mx.float32)[:, :, None]) / mx.maximum(total, 1e-30)
-    lse = mx.where(empty, -mx.inf, peak + mx.log(total))[..., 0]
+    # (rows, kv_heads, G, splits, D) and (rows, kv_heads, G, splits)
+    out, lse = attend(scores[:, :, :, None], values[:, :, None], inside[:, None, None])
     return (out.reshape(rows, heads, splits, D), lse.reshape(rows, heads, splits))
+
+
+def attend(scores: mx.array, values: mx.array, mask: mx.array | None
+           ) -> tuple[mx.array, mx.array]:
+    """Softmax attention from float32 scores: (output, log-sum-exp of the scores); a row with
+    nothing to attend gives zeros and -inf."""
+    if mask is not None:
+        scores = mx.where(mask, scores, -mx.inf)
+    peak = mx.max(scores, axis=-1, keepdims=True)
+    peak = mx.where(mx.isinf(peak), 0.0, peak)
+    weights = mx.exp(scores - peak)
+    total = mx.sum(weights, axis=-1, keepdims=True)
+    out = (weights @ values.astype(mx.float32)) / mx.maximum(total, 1e-30)
+    return out, (peak + mx.log(total))[..., 0]

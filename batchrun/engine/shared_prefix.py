@@ -27,7 +27,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from batchrun.engine import decode_attention
-from batchrun.engine.decode_attention import ranged_attention
+from batchrun.engine.decode_attention import attend, ranged_attention
 
 log = logging.getLogger("batchrun")
 # Scores of the prefix part are materialized: row chunks keep them under this many elements.
@@ -246,7 +246,7 @@ def attention_with_prefix(queries: mx.array, keys: mx.array, values: mx.array,
         out, lse = out.reshape(B, kv_heads, G, D), lse.reshape(B, kv_heads, G)
     else:
         scores = q @ keys.astype(mx.float32).swapaxes(-1, -2)  # (B, kv_heads, G*L, own)
-        out, lse = _attend(scores, values, _own_mask(mask, B, G, L, keys.shape[2]))
+        out, lse = attend(scores, values, _own_mask(mask, B, G, L, keys.shape[2]))
     for prefix, rows in cache.groups():
         whole = len(rows) == B
         index = None if whole else mx.array(rows)
@@ -294,7 +294,7 @@ def _attend_prefix(q: mx.array, keys: mx.array, values: mx.array) -> tuple[mx.ar
         if low:
             o, lse = _attend_low(flat.astype(keys.dtype) @ keys_t, values)
         else:
-            o, lse = _attend(flat @ keys_t, values, None)
+            o, lse = attend(flat @ keys_t, values, None)
         if bounded:
             waits = not ASYNC_CHUNKS or (ASYNC_WINDOW and len(outs) % ASYNC_WINDOW == 0)
             (mx.eval if waits else mx.async_eval)(o, lse)
@@ -362,19 +362,6 @@ def _attend_prefix_host(q: mx.array, keys_t, values) -> tuple[mx.array, mx.array
     return mx.array(out), mx.array(lse)
 
 
-def _attend(scores: mx.array, values: mx.array, mask: mx.array | None
-            ) -> tuple[mx.array, mx.array]:
-    """Softmax attention from float32 scores: (output, log-sum-exp of the scores)."""
-    if mask is not None:
-        scores = mx.where(mask, scores, -mx.inf)
-    peak = mx.max(scores, axis=-1, keepdims=True)
-    peak = mx.where(mx.isinf(peak), 0.0, peak)  # a row with nothing to attend
-    weights = mx.exp(scores - peak)
-    total = mx.sum(weights, axis=-1, keepdims=True)
-    out = (weights @ values.astype(mx.float32)) / mx.maximum(total, 1e-30)
-    return out, (peak + mx.log(total))[..., 0]
-
-
 @mx.compile
 def _softmax_parts(scores: mx.array) -> tuple[mx.array, mx.array, mx.array]:
     """Half-precision scores -> (weights in their dtype, float32 peak, float32 sum): one fused
@@ -386,7 +373,7 @@ def _softmax_parts(scores: mx.array) -> tuple[mx.array, mx.array, mx.array]:
 
 
 def _attend_low(scores: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-    """_attend without a mask for half-precision scores (the prefix part)."""
+    """`attend` without a mask for half-precision scores (the prefix part)."""
     weights, peak, total = _softmax_parts(scores)
     out = (weights @ values).astype(mx.float32) / mx.maximum(total, 1e-30)
     return out, (peak + mx.log(total))[..., 0]
