@@ -4,7 +4,7 @@ new tokens, greedy).
 
     python scripts/bench_decode_job.py OUT_DIR --model PATH [--rows 1024] [--max-tokens 256]
         [--concurrency 256,1024] [--systems batchrun,masked,nocudnn,batch_generate]
-        [--flags "..."]
+        [--flags "..."] [--trace]
 
 - batchrun: `batchrun run ROWS --max-tokens N --model PATH` (no other flags); tok/s over the
   report's job wall (the job loop: reading, tokenizing, feeding, writing, committing);
@@ -12,6 +12,9 @@ new tokens, greedy).
 - nocudnn: the same with MLX_CUDA_USE_CUDNN_SDPA=0 (MLX's prefill attention without cuDNN);
 - batch_generate: mlx-lm's batch_generate on the same prompts' tokens at each concurrency;
   tok/s over its own call (after imports, loading and tokenizing).
+A system may be named twice (the second run finds MLX's and the driver's kernel caches warm).
+With --trace, batchrun's runs go through scripts/trace_job.py: each engine step and prefill
+(rows, padded length) with timestamps, in OUT_DIR/trace-SYSTEM-N.txt.
 Generated tokens: the rows' completion tokens (a row may stop early at an end token).
 Writes OUT_DIR/decode_job.json and prints a table.
 """
@@ -65,11 +68,11 @@ def write_rows(path: Path, rows: int, words: int) -> None:
             f.write(json.dumps({"custom_id": f"r{i}", "prompt": " ".join(text[:words])}) + "\n")
 
 
-def run(cmd: list[str], env: dict | None = None) -> str:
+def run(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    return proc.stdout
+    return proc
 
 
 def main() -> None:
@@ -82,21 +85,25 @@ def main() -> None:
     ap.add_argument("--concurrency", default="256,1024", help="batch_generate's batch sizes")
     ap.add_argument("--systems", default="batchrun,masked,batch_generate")
     ap.add_argument("--flags", default="", help="extra flags for batchrun run")
+    ap.add_argument("--trace", action="store_true", help="batchrun runs through trace_job.py")
     args = ap.parse_args()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     rows = out / "rows.jsonl"
     write_rows(rows, args.rows, args.words)
     results = []
-    for system in args.systems.split(","):
+    for n, system in enumerate(args.systems.split(",")):
         if system in ENV:
             env = {**os.environ, **ENV[system]}
-            job = out / f"job-{system}"
+            job = out / f"job-{system}-{n}"
+            entry = [str(ROOT / "scripts" / "trace_job.py")] if args.trace else ["-m", "batchrun"]
             start = time.perf_counter()
-            run([sys.executable, "-m", "batchrun", "run", str(rows), "--quiet", "--max-tokens",
-                 str(args.max_tokens), "--model", args.model, "--job-dir", str(job),
-                 "--restart", *args.flags.split()], env)
+            proc = run([sys.executable, *entry, "run", str(rows), "--quiet", "--max-tokens",
+                        str(args.max_tokens), "--model", args.model, "--job-dir", str(job),
+                        "--restart", *args.flags.split()], env)
             process = time.perf_counter() - start
+            if args.trace:
+                (out / f"trace-{system}-{n}.txt").write_text(proc.stderr)
             report = json.loads((job / "report.json").read_text())["runs"][-1]
             results.append({"system": system, "process_s": process, "wall_s": report["wall_s"],
                             "tokens": report["completion_tokens"],
@@ -107,7 +114,7 @@ def main() -> None:
         elif system == "batch_generate":
             for c in args.concurrency.split(","):
                 r = json.loads(run([sys.executable, "-c", PEER, args.model, str(rows),
-                                    str(args.max_tokens), c]).splitlines()[-1])
+                                    str(args.max_tokens), c]).stdout.splitlines()[-1])
                 results.append({"system": f"batch_generate@{c}", **r})
         for r in results:
             r.setdefault("tokens_per_s", r["tokens"] / r["wall_s"])

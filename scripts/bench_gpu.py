@@ -341,7 +341,7 @@ def main() -> None:
     if "hf" in systems:
         del lm
         mx.clear_cache()
-        for b in (256,):
+        for b in map(int, args.concurrency.split(",")):
             r = run_hf(model_dir, ps, b)
             r |= {"system": "transformers", "tokens_per_s": r["tokens"] / r["wall_s"]}
             results["runs"].append(r)

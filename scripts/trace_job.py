@@ -1,11 +1,13 @@
 """Where a `batchrun run` spends its first seconds: the command line's arguments, run with
 timestamps (seconds since the job loop started) printed to stderr for each feeder take,
-engine step, disk-cache read, shared-prefix build and tail computation.
+engine step, prefill call (rows, longest prompt), disk-cache read, shared-prefix build and
+tail computation.
 
     python scripts/trace_job.py run ROWS.jsonl --model PATH --job-dir DIR [--cache-dir DIR] ...
 """
 
 import functools
+import importlib
 import sys
 import time
 from pathlib import Path
@@ -18,6 +20,7 @@ from batchrun.cli import main  # noqa: E402
 from batchrun.engine import engine, shared_prefix, text  # noqa: E402
 from batchrun.job import feeder, runner  # noqa: E402
 
+generate = importlib.import_module("mlx_lm.generate")
 T0 = [time.perf_counter()]
 
 
@@ -52,6 +55,8 @@ traced(disk.DiskCache, "load_many", lambda a, r: f"{len(a[1])} keys")
 traced(shared_prefix.SharedPrefix, "from_blocks", lambda a, r: f"{r.length} tokens")
 traced(text.TextBackend, "_extend", lambda a, r: f"{len(a[2])} tail tokens")
 traced(text.TextBackend, "next", lambda a, r: f"prompt work {r[0]}, {len(r[1])} tokens")
+traced(generate.PromptProcessingBatch, "prompt",
+       lambda a, r: f"{len(a[1])} rows, longest {max(map(len, a[1]), default=0)} tokens")
 
 if __name__ == "__main__":
     sys.argv = ["batchrun", *sys.argv[1:]]

@@ -253,8 +253,12 @@ def test_a_kernel_variant_is_checked_against_the_reference_before_rows_use_it(
                                                 (mx.float32, (4,))])
 def test_the_kernels_source_compiles_to_ptx_with_the_launched_name(dtype, heads_per_kv):
     """No GPU here: NVRTC (from nvidia-cuda-nvrtc, a test dependency) still compiles."""
+    names = set()
     for D in da.HEAD_DIMS:
         for G in heads_per_kv:
-            name, ptx = da._compiled(dtype, D, G, da.WARPS)
-            assert ptx.endswith(b"\0")  # the driver reads PTX up to its NUL
-            assert f".visible .entry {name}(".encode() in ptx
+            for wide in (True, False):
+                name, ptx = da._compiled(dtype, D, G, da.WARPS, wide)
+                assert ptx.endswith(b"\0")  # the driver reads PTX up to its NUL
+                assert f".visible .entry {name}(".encode() in ptx
+                names.add(name)
+    assert len(names) == 2 * len(da.HEAD_DIMS) * len(heads_per_kv)  # no two share a name

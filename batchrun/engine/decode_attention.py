@@ -42,6 +42,10 @@ ENABLED = os.environ.get("BATCHRUN_DECODE_KERNEL", "1") != "0"
 EVERYWHERE = False
 HEAD_DIMS = (64, 128)
 WARPS = 4
+# True: a warp loads the values of several keys at once, 16 bytes a lane (KG keys of D / VEC
+# lanes each), and the key groups' partial sums are added up at the end; False: each lane
+# loads its D / 32 dimensions of one key's values at a time.
+WIDE = True
 # Splits of the keys: enough thread blocks to fill the GPU when the batch is narrow, each
 # split at least MIN_SPLIT_KEYS keys.
 TARGET_BLOCKS = 1024
@@ -50,7 +54,8 @@ SHARED_LIMIT = 48 * 1024  # static shared memory a block may declare
 
 # One variant's source: self-contained (no includes), compiled by NVRTC (nvrtc.py) with these
 # defines first: NAME (the kernel's name), T_KIND (the inputs' type: 0 float32, 1 float16,
-# 2 bfloat16), D (head dimension), G (query heads a KV head), NW (warps a block). Grid:
+# 2 bfloat16), D (head dimension), G (query heads a KV head), NW (warps a block), WIDE (how
+# values are loaded, see WIDE above). Grid:
 # (splits, kv_heads, rows) blocks of NW * 32 threads. Inputs, row-contiguous: q (rows,
 # kv_heads * G, 1, D), k and v (rows, kv_heads, capacity, D) of which the first `length`
 # slots are the keys, starts (rows,) int32; scalars: scale, length, capacity. Outputs: out
@@ -74,11 +79,21 @@ template <int N> struct alignas(sizeof(T) * N) BrVec { T x[N]; };
 
 extern "C" __global__ void NAME(const T* q, const T* k, const T* v, const int* starts,
                                 float* out, float* lse, float scale, int length, int capacity) {
-  constexpr int PER = D / 32;                 // output dims a lane accumulates
   constexpr int VEC = 16 / sizeof(T);         // elements of a 16-byte load
+#if WIDE
+  constexpr int LPK = D / VEC;                // lanes that load one value row
+  constexpr int KG = 32 / LPK;                // value rows a warp loads at once
+  constexpr int PER = VEC;                    // output dims a lane accumulates
+  static_assert(LPK <= 32 && 32 % LPK == 0, "a value row must split evenly over lanes");
+#else
+  constexpr int PER = D / 32;
+#endif
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int splits = gridDim.x, kv_heads = gridDim.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#if WIDE
+  const int kg = lane / LPK, dg = lane % LPK;  // key group, 16-byte slice of the row
+#endif
   const int start = starts[b];
   const int per_split = (length - start + splits - 1) / splits;
   const int lo = start + split * per_split;
@@ -149,6 +164,23 @@ extern "C" __global__ void NAME(const T* q, const T* k, const T* v, const int* s
     }
     __syncwarp();
     const int n = min(32, hi - base);
+#if WIDE
+    // KG keys at a time: LPK lanes cover one value row with 16-byte loads.
+    #pragma unroll
+    for (int j0 = 0; j0 < 32; j0 += KG) {
+      const int j = j0 + kg;
+      if (j < n) {
+        const BrVec<VEC> vv =
+            *reinterpret_cast<const BrVec<VEC>*>(vb + (size_t)(base + j) * D + dg * VEC);
+        #pragma unroll
+        for (int g = 0; g < G; ++g) {
+          const float p = p_s[warp][g][j];
+          #pragma unroll
+          for (int e = 0; e < PER; ++e) o[g][e] += p * br_in<T_KIND>(vv.x[e]);
+        }
+      }
+    }
+#else
     #pragma unroll 4
     for (int j = 0; j < n; ++j) {
       const BrVec<PER> vv =
@@ -160,8 +192,19 @@ extern "C" __global__ void NAME(const T* q, const T* k, const T* v, const int* s
         for (int e = 0; e < PER; ++e) o[g][e] += p * br_in<T_KIND>(vv.x[e]);
       }
     }
+#endif
     __syncwarp();
   }
+#if WIDE
+  // Each key group holds a partial sum of the same dimensions: add them up.
+  #pragma unroll
+  for (int g = 0; g < G; ++g)
+    #pragma unroll
+    for (int e = 0; e < PER; ++e)
+      #pragma unroll
+      for (int off = LPK; off < 32; off <<= 1)
+        o[g][e] += __shfl_xor_sync(0xffffffffu, o[g][e], off);
+#endif
 
   #pragma unroll
   for (int g = 0; g < G; ++g) {
@@ -172,8 +215,14 @@ extern "C" __global__ void NAME(const T* q, const T* k, const T* v, const int* s
       m_s[warp][g] = m[g];
       l_s[warp][g] = sum;
     }
+#if WIDE
+    if (kg == 0)
+      #pragma unroll
+      for (int e = 0; e < PER; ++e) o_s[warp][g][dg * PER + e] = o[g][e];
+#else
     #pragma unroll
     for (int e = 0; e < PER; ++e) o_s[warp][g][lane * PER + e] = o[g][e];
+#endif
   }
   __syncthreads();
 
@@ -201,18 +250,19 @@ _KINDS = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
 _refused: list[str] = []  # why the kernel cannot run in this process, once known
 
 
-def variant_source(name: str, dtype: mx.Dtype, D: int, G: int, warps: int) -> str:
-    defines = {"NAME": name, "T_KIND": _KINDS[dtype], "D": D, "G": G, "NW": warps}
+def variant_source(name: str, dtype: mx.Dtype, D: int, G: int, warps: int, wide: bool) -> str:
+    defines = {"NAME": name, "T_KIND": _KINDS[dtype], "D": D, "G": G, "NW": warps,
+               "WIDE": int(wide)}
     return "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE
 
 
 @cache
-def _compiled(dtype: mx.Dtype, D: int, G: int, warps: int) -> tuple[str, bytes]:
+def _compiled(dtype: mx.Dtype, D: int, G: int, warps: int, wide: bool) -> tuple[str, bytes]:
     """(name, PTX) of one variant; the name carries the source's hash: MLX keeps loaded
     modules by name."""
-    digest = hashlib.sha256(variant_source("", dtype, D, G, warps).encode()).hexdigest()
+    digest = hashlib.sha256(variant_source("", dtype, D, G, warps, wide).encode()).hexdigest()
     name = f"batchrun_ranged_decode_{digest[:16]}"
-    return name, compile_ptx(variant_source(name, dtype, D, G, warps), name + ".cu")
+    return name, compile_ptx(variant_source(name, dtype, D, G, warps, wide), name + ".cu")
 
 
 @cache
@@ -225,7 +275,7 @@ def _launch(queries: mx.array, keys: mx.array, values: mx.array, starts: mx.arra
             scale: float, length: int, splits: int) -> tuple[mx.array, mx.array]:
     rows, heads, _, D = queries.shape
     kv_heads = keys.shape[1]
-    name, ptx = _compiled(queries.dtype, D, heads // kv_heads, WARPS)
+    name, ptx = _compiled(queries.dtype, D, heads // kv_heads, WARPS, WIDE)
     return mx.fast.precompiled_cuda_kernel(
         name=name, compiled_source=ptx, inputs=[queries, keys, values, starts],
         output_shapes=[(rows, heads, splits, D), (rows, heads, splits)],
@@ -253,8 +303,8 @@ def _kernel_takes(queries: mx.array, keys: mx.array) -> bool:
             or _refused:
         return False
     try:
-        _compiled(keys.dtype, queries.shape[-1], G, WARPS)
-        _verify(keys.dtype, queries.shape[-1], G, WARPS)
+        _compiled(keys.dtype, queries.shape[-1], G, WARPS, WIDE)
+        _verify(keys.dtype, queries.shape[-1], G, WARPS, WIDE)
     except (NvrtcError, OSError, ValueError, RuntimeError) as e:
         _refuse(e)
         return False
@@ -266,7 +316,7 @@ TOLERANCE = {mx.float32: 1e-4, mx.float16: 5e-3, mx.bfloat16: 3e-2}
 
 
 @cache
-def _verify(dtype: mx.Dtype, D: int, G: int, warps: int) -> None:
+def _verify(dtype: mx.Dtype, D: int, G: int, warps: int, wide: bool) -> None:
     """A variant's first call, before any row depends on it: small random inputs (two rows,
     one left-padded, two splits, keys a slice of a larger buffer) against `reference`;
     ValueError if they differ (a GPU or driver it was never run on, say)."""
