@@ -2,7 +2,7 @@
 
     python scripts/check_decode_kernel.py OUT_DIR [--quick]
 
-1. Correctness: the kernel (both ways of loading values, da.WIDE) against `reference` (float32
+1. Correctness: the kernel (both layouts, da.GROUPED) against `reference` (float32
    MLX ops on the CPU, same inputs) over dtypes, head dims, query heads per KV head, row
    starts, lengths and splits, with the keys a slice of a larger buffer as a batch KV cache
    passes them. Fails (exit 1) beyond tolerance, or if the kernel was refused.
@@ -10,7 +10,7 @@
    with mlx-lm's mask), in float32 and in bfloat16.
 3. Cost of one layer's decode attention: MLX's fused attention without a mask (the floor),
    with mlx-lm's mask (what a continuous batch ran), and the kernel (also with 2 and 8 warps a
-   thread block instead of 4, and loading values the other way: da.WIDE).
+   thread block instead of 4, and the other layout: da.GROUPED).
 
 Writes OUT_DIR/decode_kernel.json. CI has no GPU; the CPU tests cover `reference` and the
 dispatch.
@@ -36,14 +36,14 @@ TOLERANCE = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
 def correctness() -> list[dict]:
     results = []
     mx.random.seed(0)
-    cases = [(wide, dtype, D, G, rows, length, splits)
-             for wide in (True, False)
+    cases = [(grouped, dtype, D, G, rows, length, splits)
+             for grouped in (True, False)
              for dtype in (mx.bfloat16, mx.float16, mx.float32)
              for D in (64, 128) for G in (1, 4, 8)
              for rows, length in ((3, 1), (5, 33), (7, 300), (2, 2049))
              for splits in (None, 1, 3)]
-    for wide, dtype, D, G, rows, length, splits in cases:
-        da.WIDE = wide
+    for grouped, dtype, D, G, rows, length, splits in cases:
+        da.GROUPED = grouped
         da._refused.clear()
         kv_heads = 2
         buffer = (rows, kv_heads, length + 40, D)  # a cache's buffers, `length` slots filled
@@ -70,7 +70,7 @@ def correctness() -> list[dict]:
         refused = list(da._refused)
         ok = error <= TOLERANCE[dtype] and lse_error <= 1e-3 and not refused \
             and plain_error <= 2 * TOLERANCE[dtype] + (1e-2 if dtype == mx.bfloat16 else 1e-3)
-        results.append({"wide": wide, "dtype": str(dtype), "D": D, "G": G, "rows": rows,
+        results.append({"grouped": grouped, "dtype": str(dtype), "D": D, "G": G, "rows": rows,
                         "length": length, "splits": n, "max_error": error,
                         "plain_error": plain_error, "lse_error": lse_error, "refused": refused,
                         "ok": ok})
@@ -78,7 +78,7 @@ def correctness() -> list[dict]:
             print("FAIL", json.dumps(results[-1]), flush=True)
     print(f"correctness: {sum(r['ok'] for r in results)} of {len(results)} cases within "
           "tolerance", flush=True)
-    da.WIDE = DEFAULT_WIDE
+    da.GROUPED = DEFAULT_GROUPED
     da._refused.clear()
     return results
 
@@ -110,7 +110,7 @@ def greedy(model_dir: str) -> list[dict]:
 
 
 WARPS_SWEEP = (2, 8)
-DEFAULT_WIDE = da.WIDE
+DEFAULT_GROUPED = da.GROUPED
 
 
 def timed(call, reps: int) -> float:
@@ -150,9 +150,10 @@ def timing(rows: int, length: int, heads=32, kv_heads=8, D=64, reps=50) -> dict:
         da.WARPS = warps
         result[f"kernel_{warps}_warps_ms"] = timed(calls["kernel"], reps)
     da.WARPS = default
-    da.WIDE = not DEFAULT_WIDE  # the other way of loading values
-    result[f"kernel_{'wide' if da.WIDE else 'narrow'}_ms"] = timed(calls["kernel"], reps)
-    da.WIDE = DEFAULT_WIDE
+    da.GROUPED = not DEFAULT_GROUPED  # the other layout
+    other = "grouped" if da.GROUPED else "lane_per_key"
+    result[f"kernel_{other}_ms"] = timed(calls["kernel"], reps)
+    da.GROUPED = DEFAULT_GROUPED
     result["refused"] = list(da._refused)
     result["kv_gb_per_s_kernel"] = 2 * k.nbytes / (result["kernel_ms"] / 1000) / 1e9
     print(json.dumps(result), flush=True)

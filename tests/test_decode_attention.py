@@ -149,14 +149,18 @@ def test_rows_holding_copies_of_cached_blocks_join_rows_without(demo, monkeypatc
     assert tokens == expected and engine.faults == 0
 
 
-def test_the_kernel_is_not_asked_for_more_shared_memory_than_a_block_has(monkeypatch):
+@pytest.mark.parametrize("grouped", [True, False])
+def test_the_kernel_is_not_asked_for_more_registers_or_shared_memory_than_a_block_has(
+        monkeypatch, grouped):
     monkeypatch.setattr(da, "on_cuda", lambda: True)
     monkeypatch.setattr(da, "_refused", [])
     monkeypatch.setattr(da, "_compiled", lambda *args: ("name", b"ptx"))
     monkeypatch.setattr(da, "_verify", lambda *args: None)
+    monkeypatch.setattr(da, "GROUPED", grouped)
     q = mx.zeros((1, 16, 1, 128), mx.bfloat16)  # 16 query heads a KV head, head size 128
     k = mx.zeros((1, 1, 8, 128), mx.bfloat16)
-    assert da.shared_bytes(16, 128) > da.SHARED_LIMIT >= da.shared_bytes(8, 128)
+    if not grouped:  # the queries and the lanes' scores sit in shared memory
+        assert da.shared_bytes(16, 128) > da.SHARED_LIMIT >= da.shared_bytes(8, 128)
     assert not da._kernel_takes(q, k)
     assert da._kernel_takes(q[:, :8], k)
 
@@ -256,8 +260,8 @@ def test_the_kernels_source_compiles_to_ptx_with_the_launched_name(dtype, heads_
     names = set()
     for D in da.HEAD_DIMS:
         for G in heads_per_kv:
-            for wide in (True, False):
-                name, ptx = da._compiled(dtype, D, G, da.WARPS, wide)
+            for grouped in (True, False):
+                name, ptx = da._compiled(dtype, D, G, da.WARPS, grouped)
                 assert ptx.endswith(b"\0")  # the driver reads PTX up to its NUL
                 assert f".visible .entry {name}(".encode() in ptx
                 names.add(name)

@@ -10,9 +10,9 @@ split-K flash decoding over it (compiled by NVRTC, nvrtc.py, and launched throug
 
 - a thread block takes one (row, KV head, split of the keys): the G query heads of that KV
   head read each key and value once (GQA);
-- in a warp each lane scores one key of 32 against the G queries (held in shared memory),
-  then each lane accumulates its slice of the head dimension over those 32 keys; the warp's
-  running max and sum rescale as in flash attention;
+- in a warp a few lanes hold one key (16 bytes each, the queries' matching slices in
+  registers), so a warp takes several keys at once; each key group's running max, sum and
+  output rescale as in flash attention, and the warp merges its groups at the end (GROUPED);
 - the warps of a block, then the splits (MLX ops), merge by log-sum-exp.
 
 It returns the output and each query's log-sum-exp, which the shared-prefix attention
@@ -42,20 +42,27 @@ ENABLED = os.environ.get("BATCHRUN_DECODE_KERNEL", "1") != "0"
 EVERYWHERE = False
 HEAD_DIMS = (64, 128)
 WARPS = 4
-# True: a warp loads the values of several keys at once, 16 bytes a lane (KG keys of D / VEC
-# lanes each), and the key groups' partial sums are added up at the end; False: each lane
-# loads its D / 32 dimensions of one key's values at a time.
-WIDE = True
+# How a warp's lanes share the work (a define of the kernel's source):
+# - GROUPED: D / VEC lanes hold one key (VEC elements of 16 bytes each, the queries' matching
+#   slices in registers): a warp takes several keys at once, scores them with a few shuffles,
+#   and each key group keeps its own running max, sum and output until the warp merges them;
+# - otherwise: a lane scores one key of 32 against the queries in shared memory, then each lane
+#   accumulates its D / 32 dimensions over those 32 keys (the first version, kept for the
+#   check script's comparison).
+GROUPED = True
 # Splits of the keys: enough thread blocks to fill the GPU when the batch is narrow, each
 # split at least MIN_SPLIT_KEYS keys.
 TARGET_BLOCKS = 1024
 MIN_SPLIT_KEYS = 128
 SHARED_LIMIT = 48 * 1024  # static shared memory a block may declare
+# GROUPED: a lane holds VEC query and VEC output values for each of the G query heads, in
+# registers; beyond 8 heads a KV head they would spill.
+MAX_GROUPED_HEADS = 8
 
 # One variant's source: self-contained (no includes), compiled by NVRTC (nvrtc.py) with these
 # defines first: NAME (the kernel's name), T_KIND (the inputs' type: 0 float32, 1 float16,
-# 2 bfloat16), D (head dimension), G (query heads a KV head), NW (warps a block), WIDE (how
-# values are loaded, see WIDE above). Grid:
+# 2 bfloat16), D (head dimension), G (query heads a KV head), NW (warps a block), GROUPED
+# (see above). Grid:
 # (splits, kv_heads, rows) blocks of NW * 32 threads. Inputs, row-contiguous: q (rows,
 # kv_heads * G, 1, D), k and v (rows, kv_heads, capacity, D) of which the first `length`
 # slots are the keys, starts (rows,) int32; scalars: scale, length, capacity. Outputs: out
@@ -77,23 +84,136 @@ template <int KIND> __device__ __forceinline__ float br_in(br_u16 x) {
 }
 template <int N> struct alignas(sizeof(T) * N) BrVec { T x[N]; };
 
+#if GROUPED
 extern "C" __global__ void NAME(const T* q, const T* k, const T* v, const int* starts,
                                 float* out, float* lse, float scale, int length, int capacity) {
   constexpr int VEC = 16 / sizeof(T);         // elements of a 16-byte load
-#if WIDE
-  constexpr int LPK = D / VEC;                // lanes that load one value row
-  constexpr int KG = 32 / LPK;                // value rows a warp loads at once
-  constexpr int PER = VEC;                    // output dims a lane accumulates
-  static_assert(LPK <= 32 && 32 % LPK == 0, "a value row must split evenly over lanes");
-#else
-  constexpr int PER = D / 32;
-#endif
+  constexpr int LPK = D / VEC;                // lanes that hold one key's row
+  constexpr int KPW = 32 / LPK;               // keys a warp takes at once
+  constexpr int U = G <= 2 ? 8 : (G <= 4 ? 4 : 2);  // loads a lane has in flight (each way)
+  constexpr int STEP = NW * KPW;              // keys the block takes at once
+  static_assert(LPK <= 32 && 32 % LPK == 0, "a row must split evenly over lanes");
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int splits = gridDim.x, kv_heads = gridDim.y;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#if WIDE
   const int kg = lane / LPK, dg = lane % LPK;  // key group, 16-byte slice of the row
-#endif
+  const int start = starts[b];
+  const int per_split = (length - start + splits - 1) / splits;
+  const int lo = start + split * per_split;
+  const int hi = min(length, lo + per_split);
+
+  __shared__ float m_s[NW][G];
+  __shared__ float l_s[NW][G];
+  __shared__ float o_s[NW][G][D];
+
+  // This lane's slice of the G queries, scaled, in registers.
+  const T* qb = q + ((size_t)b * kv_heads * G + (size_t)kvh * G) * D + dg * VEC;
+  float qr[G][VEC];
+  #pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const BrVec<VEC> qv = *reinterpret_cast<const BrVec<VEC>*>(qb + g * D);
+    #pragma unroll
+    for (int e = 0; e < VEC; ++e) qr[g][e] = br_in<T_KIND>(qv.x[e]) * scale;
+  }
+
+  const size_t head = ((size_t)b * kv_heads + kvh) * capacity * D + dg * VEC;
+  const T* kb = k + head;
+  const T* vb = v + head;
+
+  // Each key group keeps its own running max, sum and output (flash attention's rescaling).
+  float m[G], l[G], o[G][VEC];
+  #pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = -BR_INF;
+    l[g] = 0.f;
+    #pragma unroll
+    for (int e = 0; e < VEC; ++e) o[g][e] = 0.f;
+  }
+
+  // `base` is the same for the whole warp (the shuffles need every lane).
+  for (int base = lo + warp * KPW; base < hi; base += STEP * U) {
+    BrVec<VEC> kr[U], vr[U];
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int key = base + kg + u * STEP;
+      if (key < hi) {
+        kr[u] = *reinterpret_cast<const BrVec<VEC>*>(kb + (size_t)key * D);
+        vr[u] = *reinterpret_cast<const BrVec<VEC>*>(vb + (size_t)key * D);
+      } else {
+        #pragma unroll
+        for (int e = 0; e < VEC; ++e) kr[u].x[e] = vr[u].x[e] = T(0);
+      }
+    }
+    float s[U][G];
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+      #pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float acc = 0.f;
+        #pragma unroll
+        for (int e = 0; e < VEC; ++e) acc += qr[g][e] * br_in<T_KIND>(kr[u].x[e]);
+        #pragma unroll
+        for (int off = 1; off < LPK; off <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        s[u][g] = base + kg + u * STEP < hi ? acc : -BR_INF;
+      }
+    }
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float top = m[g];
+      #pragma unroll
+      for (int u = 0; u < U; ++u) top = fmaxf(top, s[u][g]);
+      if (top == -BR_INF) continue;  // no key of this group yet
+      const float corr = expf(m[g] - top);
+      l[g] *= corr;
+      #pragma unroll
+      for (int e = 0; e < VEC; ++e) o[g][e] *= corr;
+      #pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const float p = expf(s[u][g] - top);
+        l[g] += p;
+        #pragma unroll
+        for (int e = 0; e < VEC; ++e) o[g][e] += p * br_in<T_KIND>(vr[u].x[e]);
+      }
+      m[g] = top;
+    }
+  }
+
+  // Merge the warp's key groups, then its lanes of group 0 hold the warp's part.
+  #pragma unroll
+  for (int off = LPK; off < 32; off <<= 1) {
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float m_o = __shfl_xor_sync(0xffffffffu, m[g], off);
+      const float l_o = __shfl_xor_sync(0xffffffffu, l[g], off);
+      const float top = fmaxf(m[g], m_o);
+      const float a = m[g] == -BR_INF ? 0.f : expf(m[g] - top);
+      const float c = m_o == -BR_INF ? 0.f : expf(m_o - top);
+      l[g] = l[g] * a + l_o * c;
+      #pragma unroll
+      for (int e = 0; e < VEC; ++e)
+        o[g][e] = o[g][e] * a + __shfl_xor_sync(0xffffffffu, o[g][e], off) * c;
+      m[g] = top;
+    }
+  }
+  if (kg == 0) {
+    #pragma unroll
+    for (int g = 0; g < G; ++g) {
+      if (dg == 0) {
+        m_s[warp][g] = m[g];
+        l_s[warp][g] = l[g];
+      }
+      #pragma unroll
+      for (int e = 0; e < VEC; ++e) o_s[warp][g][dg * VEC + e] = o[g][e];
+    }
+  }
+#else
+extern "C" __global__ void NAME(const T* q, const T* k, const T* v, const int* starts,
+                                float* out, float* lse, float scale, int length, int capacity) {
+  constexpr int PER = D / 32;                 // output dims a lane accumulates
+  constexpr int VEC = 16 / sizeof(T);         // elements of a 16-byte load
+  const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int splits = gridDim.x, kv_heads = gridDim.y;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int start = starts[b];
   const int per_split = (length - start + splits - 1) / splits;
   const int lo = start + split * per_split;
@@ -164,23 +284,6 @@ extern "C" __global__ void NAME(const T* q, const T* k, const T* v, const int* s
     }
     __syncwarp();
     const int n = min(32, hi - base);
-#if WIDE
-    // KG keys at a time: LPK lanes cover one value row with 16-byte loads.
-    #pragma unroll
-    for (int j0 = 0; j0 < 32; j0 += KG) {
-      const int j = j0 + kg;
-      if (j < n) {
-        const BrVec<VEC> vv =
-            *reinterpret_cast<const BrVec<VEC>*>(vb + (size_t)(base + j) * D + dg * VEC);
-        #pragma unroll
-        for (int g = 0; g < G; ++g) {
-          const float p = p_s[warp][g][j];
-          #pragma unroll
-          for (int e = 0; e < PER; ++e) o[g][e] += p * br_in<T_KIND>(vv.x[e]);
-        }
-      }
-    }
-#else
     #pragma unroll 4
     for (int j = 0; j < n; ++j) {
       const BrVec<PER> vv =
@@ -192,19 +295,8 @@ extern "C" __global__ void NAME(const T* q, const T* k, const T* v, const int* s
         for (int e = 0; e < PER; ++e) o[g][e] += p * br_in<T_KIND>(vv.x[e]);
       }
     }
-#endif
     __syncwarp();
   }
-#if WIDE
-  // Each key group holds a partial sum of the same dimensions: add them up.
-  #pragma unroll
-  for (int g = 0; g < G; ++g)
-    #pragma unroll
-    for (int e = 0; e < PER; ++e)
-      #pragma unroll
-      for (int off = LPK; off < 32; off <<= 1)
-        o[g][e] += __shfl_xor_sync(0xffffffffu, o[g][e], off);
-#endif
 
   #pragma unroll
   for (int g = 0; g < G; ++g) {
@@ -215,15 +307,10 @@ extern "C" __global__ void NAME(const T* q, const T* k, const T* v, const int* s
       m_s[warp][g] = m[g];
       l_s[warp][g] = sum;
     }
-#if WIDE
-    if (kg == 0)
-      #pragma unroll
-      for (int e = 0; e < PER; ++e) o_s[warp][g][dg * PER + e] = o[g][e];
-#else
     #pragma unroll
     for (int e = 0; e < PER; ++e) o_s[warp][g][lane * PER + e] = o[g][e];
-#endif
   }
+#endif
   __syncthreads();
 
   for (int i = threadIdx.x; i < G * D; i += NW * 32) {
@@ -250,19 +337,21 @@ _KINDS = {mx.float32: 0, mx.float16: 1, mx.bfloat16: 2}
 _refused: list[str] = []  # why the kernel cannot run in this process, once known
 
 
-def variant_source(name: str, dtype: mx.Dtype, D: int, G: int, warps: int, wide: bool) -> str:
+def variant_source(name: str, dtype: mx.Dtype, D: int, G: int, warps: int,
+                   grouped: bool) -> str:
     defines = {"NAME": name, "T_KIND": _KINDS[dtype], "D": D, "G": G, "NW": warps,
-               "WIDE": int(wide)}
+               "GROUPED": int(grouped)}
     return "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE
 
 
 @cache
-def _compiled(dtype: mx.Dtype, D: int, G: int, warps: int, wide: bool) -> tuple[str, bytes]:
+def _compiled(dtype: mx.Dtype, D: int, G: int, warps: int, grouped: bool
+              ) -> tuple[str, bytes]:
     """(name, PTX) of one variant; the name carries the source's hash: MLX keeps loaded
     modules by name."""
-    digest = hashlib.sha256(variant_source("", dtype, D, G, warps, wide).encode()).hexdigest()
-    name = f"batchrun_ranged_decode_{digest[:16]}"
-    return name, compile_ptx(variant_source(name, dtype, D, G, warps, wide), name + ".cu")
+    source = variant_source("", dtype, D, G, warps, grouped)
+    name = f"batchrun_ranged_decode_{hashlib.sha256(source.encode()).hexdigest()[:16]}"
+    return name, compile_ptx(variant_source(name, dtype, D, G, warps, grouped), name + ".cu")
 
 
 @cache
@@ -275,7 +364,7 @@ def _launch(queries: mx.array, keys: mx.array, values: mx.array, starts: mx.arra
             scale: float, length: int, splits: int) -> tuple[mx.array, mx.array]:
     rows, heads, _, D = queries.shape
     kv_heads = keys.shape[1]
-    name, ptx = _compiled(queries.dtype, D, heads // kv_heads, WARPS, WIDE)
+    name, ptx = _compiled(queries.dtype, D, heads // kv_heads, WARPS, GROUPED)
     return mx.fast.precompiled_cuda_kernel(
         name=name, compiled_source=ptx, inputs=[queries, keys, values, starts],
         output_shapes=[(rows, heads, splits, D), (rows, heads, splits)],
@@ -299,12 +388,11 @@ def _kernel_takes(queries: mx.array, keys: mx.array) -> bool:
     and NVRTC compiled it (a failure is logged once, and the process keeps MLX's attention)."""
     G = queries.shape[1] // keys.shape[1]
     if not (on_cuda() and queries.shape[-1] in HEAD_DIMS and queries.dtype == keys.dtype
-            and keys.dtype in _KINDS and shared_bytes(G, queries.shape[-1]) <= SHARED_LIMIT) \
-            or _refused:
+            and keys.dtype in _KINDS and fits(G, queries.shape[-1])) or _refused:
         return False
     try:
-        _compiled(keys.dtype, queries.shape[-1], G, WARPS, WIDE)
-        _verify(keys.dtype, queries.shape[-1], G, WARPS, WIDE)
+        _compiled(keys.dtype, queries.shape[-1], G, WARPS, GROUPED)
+        _verify(keys.dtype, queries.shape[-1], G, WARPS, GROUPED)
     except (NvrtcError, OSError, ValueError, RuntimeError) as e:
         _refuse(e)
         return False
@@ -316,7 +404,7 @@ TOLERANCE = {mx.float32: 1e-4, mx.float16: 5e-3, mx.bfloat16: 3e-2}
 
 
 @cache
-def _verify(dtype: mx.Dtype, D: int, G: int, warps: int, wide: bool) -> None:
+def _verify(dtype: mx.Dtype, D: int, G: int, warps: int, grouped: bool) -> None:
     """A variant's first call, before any row depends on it: small random inputs (two rows,
     one left-padded, two splits, keys a slice of a larger buffer) against `reference`;
     ValueError if they differ (a GPU or driver it was never run on, say)."""
@@ -333,9 +421,16 @@ def _verify(dtype: mx.Dtype, D: int, G: int, warps: int, wide: bool) -> None:
         raise ValueError(f"its results differ from MLX's by {error:.3g} on a test input")
 
 
+def fits(G: int, D: int) -> bool:
+    """Whether a block's registers and shared memory hold G query heads of size D."""
+    return shared_bytes(G, D) <= SHARED_LIMIT and (G <= MAX_GROUPED_HEADS or not GROUPED)
+
+
 def shared_bytes(G: int, D: int) -> int:
-    """The kernel's static shared memory: q_s, p_s, m_s and l_s, o_s (float32)."""
-    return 4 * (G * D + WARPS * G * 32 + 2 * WARPS * G + WARPS * G * D)
+    """The kernel's static shared memory (float32): m_s, l_s and o_s, and without GROUPED also
+    q_s and p_s."""
+    merge = 2 * WARPS * G + WARPS * G * D
+    return 4 * (merge if GROUPED else merge + G * D + WARPS * G * 32)
 
 
 def _refuse(error: Exception) -> None:
