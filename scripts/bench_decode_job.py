@@ -10,6 +10,7 @@ new tokens, greedy).
   report's job wall (the job loop: reading, tokenizing, feeding, writing, committing);
 - masked: the same with BATCHRUN_DECODE_KERNEL=0 (decode attention through mlx-lm's mask);
 - nocudnn: the same with MLX_CUDA_USE_CUDNN_SDPA=0 (MLX's prefill attention without cuDNN);
+- session8: the same with session 8's GPU defaults (a 32,768-token prefill budget, no warm-up);
 - batch_generate: mlx-lm's batch_generate on the same prompts' tokens at each concurrency;
   tok/s over its own call (after imports, loading and tokenizing).
 A system may be named twice (the second run finds MLX's and the driver's kernel caches warm).
@@ -54,7 +55,20 @@ print(json.dumps({"wall_s": time.perf_counter() - start,
 ENV = {"batchrun": {},
        "masked": {"BATCHRUN_DECODE_KERNEL": "0"},
        # MLX's prefill attention without cuDNN (which builds a graph for every new shape)
-       "nocudnn": {"MLX_CUDA_USE_CUDNN_SDPA": "0"}}
+       "nocudnn": {"MLX_CUDA_USE_CUDNN_SDPA": "0"},
+       "session8": {}}
+# Systems that run batchrun with some of its settings as they were (Python run first).
+PATCHES = {
+    # session 8's defaults: a fixed 32,768-token prefill budget on a GPU, no warm-up
+    "session8": "from batchrun.engine import engine, memory\n"
+                "memory.GPU_PREFILL_TOKENS = (32768, 32768)\n"
+                "engine.Engine.warm_up = lambda self, cpu_too=False: None",
+}
+# Runs argv[2:] (a script, or "-m batchrun") after exec'ing argv[1].
+PATCHED = ("import runpy, sys\nexec(sys.argv[1])\nsys.argv = sys.argv[2:]\n"
+           "if sys.argv[0] == '-m':\n    sys.argv = ['batchrun', *sys.argv[2:]]\n"
+           "    runpy.run_module('batchrun', run_name='__main__', alter_sys=True)\n"
+           "else:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n")
 
 
 def write_rows(path: Path, rows: int, words: int) -> None:
@@ -97,6 +111,8 @@ def main() -> None:
             env = {**os.environ, **ENV[system]}
             job = out / f"job-{system}-{n}"
             entry = [str(ROOT / "scripts" / "trace_job.py")] if args.trace else ["-m", "batchrun"]
+            if system in PATCHES:
+                entry = ["-c", PATCHED, PATCHES[system], *entry]
             start = time.perf_counter()
             proc = run([sys.executable, *entry, "run", str(rows), "--quiet", "--max-tokens",
                         str(args.max_tokens), "--model", args.model, "--job-dir", str(job),

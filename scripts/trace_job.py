@@ -1,16 +1,22 @@
 """Where a `batchrun run` spends its first seconds: the command line's arguments, run with
 timestamps (seconds since the job loop started) printed to stderr for each feeder take,
 engine step, prefill call (rows, longest prompt), disk-cache read, shared-prefix build and
-tail computation.
+tail computation; and the process's phases (imports, model loading, engine start, job
+preparation, the job loop, exit) in seconds since the process started.
 
     python scripts/trace_job.py run ROWS.jsonl --model PATH --job-dir DIR [--cache-dir DIR] ...
 """
 
-import functools
-import importlib
-import sys
 import time
-from pathlib import Path
+
+PROCESS_START = time.perf_counter()
+
+# isort: split
+import atexit  # noqa: E402
+import functools  # noqa: E402
+import importlib  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -22,6 +28,27 @@ from batchrun.job import feeder, runner  # noqa: E402
 
 generate = importlib.import_module("mlx_lm.generate")
 T0 = [time.perf_counter()]
+
+
+def process_mark(what: str) -> None:
+    print(f"[process {time.perf_counter() - PROCESS_START:7.3f}s] {what}", file=sys.stderr,
+          flush=True)
+
+
+def phase(owner, name):
+    """The call's start and length in seconds since the process started."""
+    real = getattr(owner, name)
+
+    @functools.wraps(real)
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            process_mark(f"{owner.__name__}.{name} from {start - PROCESS_START:.3f}s took "
+                         f"{time.perf_counter() - start:.3f}s")
+
+    setattr(owner, name, wrapper)
 
 
 def traced(owner, name, describe=lambda args, result: ""):
@@ -48,6 +75,13 @@ def loop_started(real):
 
 
 runner.JobRunner._run = loop_started(runner.JobRunner._run)
+process_mark("imports done")
+atexit.register(process_mark, "exit handlers (after this: the interpreter's and MLX's teardown)")
+phase(engine.Engine, "_load_model")
+phase(engine.Engine, "__init__")
+phase(runner.JobRunner, "prepare")
+phase(runner.JobRunner, "_run")
+phase(runner.JobRunner, "run")
 traced(feeder.Feeder, "take", lambda a, r: f"{len(r)} rows")
 traced(engine.Engine, "step", lambda a, r: f"running {len(a[0].scheduler.running)} "
        f"waiting {a[0].num_waiting} finished {len(r)}")

@@ -182,6 +182,61 @@ def test_stats_count_tokens_and_batches(demo):
     assert s.peak_memory_bytes > 0
 
 
+def test_a_warm_up_leaves_no_trace_in_outputs_figures_or_the_prefix_cache(demo, tmp_path):
+    """The job warms a GPU engine up before its first rows (here forced on the CPU)."""
+    prompts = PROMPTS[:6]
+    expected = [o.token_ids for o in make_engine(demo, max_concurrency=4).generate(
+        prompts, SamplingParams(max_tokens=8))]
+    engine = make_engine(demo, max_concurrency=4, cache_dir=str(tmp_path / "cache"),
+                         prefix_block_size=8)
+    engine.enable_prefix_cache()
+    engine.warm_up(cpu_too=True)
+    s = engine.stats
+    assert (s.requests_finished, s.prompt_tokens, s.completion_tokens, s.ttfts,
+            s.decode_steps, s.timeline) == (0, 0, 0, [], 0, [])
+    stats = engine.get_cache_stats()
+    assert (stats["hits"], stats["misses"], stats["blocks"]) == (0, 0, 0)
+    assert not engine.has_work()
+    outs = engine.generate(prompts, SamplingParams(max_tokens=8))
+    assert [o.token_ids for o in outs] == expected
+    assert engine.stats.requests_finished == len(prompts)
+    assert engine.stats.prompt_tokens == sum(o.prompt_tokens for o in outs)
+
+
+def test_a_warm_up_is_skipped_on_the_cpu_and_once_rows_are_queued(demo):
+    engine = make_engine(demo, max_concurrency=4)
+    engine.warm_up()
+    assert engine.stats.requests_finished == 0 and next(engine._ids) == 0  # nothing ran
+    engine.add_request("hi", SamplingParams(max_tokens=2))
+    engine.warm_up(cpu_too=True)
+    assert engine.num_waiting == 1 and next(engine._ids) == 2  # only the queued row
+
+
+def test_a_gpus_prefill_budget_follows_its_memory_and_the_models_widths(demo, monkeypatch):
+    from batchrun.engine import memory
+
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda: 140 << 30)
+    model = demo.model
+    width = 2 * 4 * (3 * model.args.intermediate_size + 4 * model.args.hidden_size)  # float32
+    assert memory.activation_bytes(model) == width
+    low, high = memory.GPU_PREFILL_TOKENS
+    assert memory.prefill_token_budget(model) == high  # a tiny model on a big GPU
+    model.set_dtype(mx.bfloat16)
+    try:
+        assert memory.activation_bytes(model) == width // 2
+        monkeypatch.setattr(memory, "device_memory_bytes", lambda: 1 << 30)
+        expected = int((1 << 30) * memory.PREFILL_MEMORY_SHARE / (width // 2))
+        assert low < expected < high  # a small GPU: its memory decides
+        assert memory.prefill_token_budget(model) == expected
+    finally:
+        model.set_dtype(mx.float32)
+
+    class Unknown:  # a model that does not say its widths: the low end
+        args = None
+    assert memory.activation_bytes(Unknown()) is None
+    assert memory.prefill_token_budget(Unknown()) == low
+
+
 def test_invalid_sampling_values_name_the_field():
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)

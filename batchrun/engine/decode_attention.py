@@ -41,7 +41,9 @@ ENABLED = os.environ.get("BATCHRUN_DECODE_KERNEL", "1") != "0"
 # not run (tests check the path's plumbing on the CPU this way).
 EVERYWHERE = False
 HEAD_DIMS = (64, 128)
-WARPS = 4
+# Warps a thread block: 2 measured fastest with GROUPED at every shape checked (1,024 rows x
+# 256 keys: 0.36 ms against 0.39 with 4 and 0.59 with 8; BENCHMARKS.md, session 9).
+WARPS = 2
 # How a warp's lanes share the work (a define of the kernel's source):
 # - GROUPED: D / VEC lanes hold one key (VEC elements of 16 bytes each, the queries' matching
 #   slices in registers): a warp takes several keys at once, scores them with a few shuffles,

@@ -45,6 +45,9 @@ from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence, Status
 
 TIMELINE_INTERVAL_S = 0.5
+# warm_up's rows (first token id, length): unequal lengths, so the prefill is padded as a
+# job's are, and no common start.
+WARM_UP_PROMPTS = ((1, 16), (40, 9))
 
 
 class Engine(Requests, CacheControl):
@@ -65,7 +68,7 @@ class Engine(Requests, CacheControl):
         self.model = model
         self.tokenizer = backend.tokenizer
         self.prompts = backend.prompts
-        cap, prefill_tokens = device_defaults()
+        cap, prefill_tokens = device_defaults(backend.kv_model)
         config = config or EngineConfig()
         self.config = dataclasses.replace(config, prefill_tokens=config.prefill_tokens
                                           or prefill_tokens)
@@ -125,6 +128,28 @@ class Engine(Requests, CacheControl):
     def check_constraint(self, constraint) -> None:
         """Raise ConstraintError unless the constraint compiles for this model."""
         self.grammars.check(constraint)
+
+    def warm_up(self, cpu_too: bool = False) -> None:
+        """On a GPU: two short rows through the whole path (a padded prefill, decode steps,
+        batchrun's decode kernel compiled and checked), so that the process's first use of each
+        kernel overlaps the job's reading and tokenizing of rows instead of delaying its first
+        prefill. Nothing reaches the prefix cache, and the engine's figures start afresh after
+        it. Nothing to do on the CPU (unless `cpu_too`), or once rows are queued."""
+        import mlx.core as mx
+
+        if (mx.default_device() == mx.cpu and not cpu_too) or self.has_work():
+            return
+        planner, self.scheduler.planner = self.scheduler.planner, None
+        try:
+            for start, length in WARM_UP_PROMPTS:
+                self.add_tokens([i % self.backend.vocab_size for i in range(start, start + length)],
+                                SamplingParams(max_tokens=3))
+            self.run()
+        finally:
+            self.scheduler.planner = planner
+        self.stats = EngineStats()
+        self._started = time.perf_counter()
+        self._last_sample = -TIMELINE_INTERVAL_S
 
     def add_tokens(self, prompt: list[int], params: SamplingParams, inputs: Any = None) -> int:
         """Queue a request from token ids (and what the backend needs besides); its id."""

@@ -52,6 +52,40 @@ def device_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+# A GPU prefill's activations may take this share of the device's memory; with the model's
+# widths that gives its token budget, kept within GPU_PREFILL_TOKENS.
+PREFILL_MEMORY_SHARE = 0.15
+GPU_PREFILL_TOKENS = (8192, 131072)
+
+
+def activation_bytes(model: nn.Module | None) -> int | None:
+    """About what one prompt token's activations take in a forward pass: an MLP's three
+    intermediate-wide arrays and four hidden-wide ones, in the weights' float type, twice over
+    for what stays alive between kernels. None if the model does not say its widths."""
+    args = getattr(model, "args", None)
+    hidden = getattr(args, "hidden_size", None)
+    if not isinstance(hidden, int) or hidden <= 0:
+        return None
+    intermediate = getattr(args, "intermediate_size", None)
+    if not isinstance(intermediate, int) or intermediate <= 0:
+        intermediate = 4 * hidden
+    floats = [v.dtype for _, v in tree_flatten(model.parameters())
+              if mx.issubdtype(v.dtype, mx.floating)]
+    size = 4 if floats and all(d == mx.float32 for d in floats) else 2
+    return 2 * size * (3 * intermediate + 4 * hidden)
+
+
+def prefill_token_budget(model: nn.Module | None) -> int:
+    """Padded prompt tokens one GPU prefill may take: PREFILL_MEMORY_SHARE of the device's
+    memory over `activation_bytes`, within GPU_PREFILL_TOKENS (the low end if the model does
+    not say its widths)."""
+    low, high = GPU_PREFILL_TOKENS
+    per_token = activation_bytes(model)
+    if per_token is None:
+        return low
+    return max(low, min(high, int(device_memory_bytes() * PREFILL_MEMORY_SHARE / per_token)))
+
+
 def kv_budget(model: nn.Module, utilization: float) -> int:
     """Bytes available to KV caches; also caps MLX's allocator on GPUs."""
     total = device_memory_bytes()

@@ -170,16 +170,21 @@ class EngineConfig:
 
 # (concurrency cap, prefill token budget) by device. Measured: on this 2-core CPU a prefill of
 # ~2k padded tokens (8 rows of the mixed workload, or 64 labeling rows past a cached prefix);
-# on the H200, 1B model, 256 rows x 128 tokens a prefill and up to 1,024 rows decoding gave
-# 2.3x the throughput of the CPU's settings (BENCHMARKS.md, issues 13 and 14).
-DEVICE_DEFAULTS = {"cpu": (256, 2048), "gpu": (1024, 32768)}
+# on the H200, 1B model, up to 1,024 rows decoding gave 2.3x the throughput of the CPU's
+# settings, and prefills of 256 rows of 128 tokens four times fewer than a job's whole first
+# 1,024 rows cost it ~1 s of its 6 (BENCHMARKS.md, issues 13 and 14). A GPU's prefill budget
+# comes from its memory and the model (memory.prefill_token_budget).
+DEVICE_DEFAULTS = {"cpu": (256, 2048), "gpu": (1024, None)}
 
 
-def device_defaults() -> tuple[int, int]:
-    """(concurrency cap, prefill token budget) for the default device."""
+def device_defaults(model=None) -> tuple[int, int]:
+    """(concurrency cap, prefill token budget) for the default device and this model."""
     import mlx.core as mx
 
-    return DEVICE_DEFAULTS["cpu" if mx.default_device() == mx.cpu else "gpu"]
+    from batchrun.engine.memory import prefill_token_budget
+
+    cap, tokens = DEVICE_DEFAULTS["cpu" if mx.default_device() == mx.cpu else "gpu"]
+    return cap, tokens or prefill_token_budget(model)
 
 
 @dataclass(slots=True)

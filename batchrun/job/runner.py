@@ -482,6 +482,7 @@ class JobRunner(RowWork):
                         lookahead=2 * target, check=self._check_row,
                         workers=1 if engine.backend.accepts_images else BUILD_WORKERS)
         try:
+            engine.warm_up()  # the feeder's threads build the first rows meanwhile
             while not self._interrupted:
                 idle = not engine.has_work()
                 for item in feeder.take(target - engine.num_waiting, block=idle,
