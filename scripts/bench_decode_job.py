@@ -64,8 +64,11 @@ PATCHES = {
                 "memory.GPU_PREFILL_TOKENS = (32768, 32768)\n"
                 "engine.Engine.warm_up = lambda self, cpu_too=False: None",
 }
-# Runs argv[2:] (a script, or "-m batchrun") after exec'ing argv[1].
-PATCHED = ("import runpy, sys\nexec(sys.argv[1])\nsys.argv = sys.argv[2:]\n"
+# Runs argv[2:] (a script, or "-m batchrun") after exec'ing argv[1], PyTorch hidden first as
+# the command line hides it.
+PATCHED = ("import runpy, sys\nfrom batchrun.engine.load import keep_torch_out\n"
+           "keep_torch_out(sys.argv[sys.argv.index('--model') + 1])\n"
+           "exec(sys.argv[1])\nsys.argv = sys.argv[2:]\n"
            "if sys.argv[0] == '-m':\n    sys.argv = ['batchrun', *sys.argv[2:]]\n"
            "    runpy.run_module('batchrun', run_name='__main__', alter_sys=True)\n"
            "else:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n")

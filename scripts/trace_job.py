@@ -21,6 +21,10 @@ from pathlib import Path  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import batchrun  # noqa: E402, F401  (BLAS routing before MLX)
+from batchrun.engine.load import keep_torch_out  # noqa: E402
+
+if "--model" in sys.argv:  # as the command line does, before this script imports mlx-lm
+    keep_torch_out(sys.argv[sys.argv.index("--model") + 1])
 from batchrun.cache import disk  # noqa: E402
 from batchrun.cli import main  # noqa: E402
 from batchrun.engine import engine, shared_prefix, text  # noqa: E402

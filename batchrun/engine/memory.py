@@ -55,7 +55,7 @@ def device_memory_bytes() -> int:
 # A GPU prefill's activations may take this share of the device's memory; with the model's
 # widths that gives its token budget, kept within GPU_PREFILL_TOKENS.
 PREFILL_MEMORY_SHARE = 0.15
-GPU_PREFILL_TOKENS = (8192, 131072)
+GPU_PREFILL_TOKENS = (8192, 262144)
 
 
 def activation_bytes(model: nn.Module | None) -> int | None:

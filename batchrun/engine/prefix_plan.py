@@ -57,5 +57,10 @@ class PrefixPlanner:
 
     def release(self, seq: Sequence) -> None:
         """The row is finished: it needs no blocks any more."""
-        self._key_counts.subtract(seq.block_keys)
-        self._key_counts = +self._key_counts
+        counts = self._key_counts
+        for key in seq.block_keys:  # per key: rebuilding the counter cost O(all keys) a row
+            left = counts.get(key, 0) - 1
+            if left > 0:
+                counts[key] = left
+            else:
+                counts.pop(key, None)
