@@ -1,7 +1,7 @@
 """Where a `batchrun run` spends its first seconds: the command line's arguments, run with
 timestamps (seconds since the job loop started) printed to stderr for each feeder take,
-engine step, prefill call (rows, longest prompt), disk-cache read, shared-prefix build and
-tail computation; and the process's phases (imports, model loading, engine start, job
+engine step, prefill call (rows, longest prompt), disk-cache read, shared-prefix build, a
+cold prefix's computation and tail computation; and the process's phases (imports, model loading, engine start, job
 preparation, the job loop, exit) in seconds since the process started.
 
     python scripts/trace_job.py run ROWS.jsonl --model PATH --job-dir DIR [--cache-dir DIR] ...
@@ -92,6 +92,7 @@ traced(engine.Engine, "step", lambda a, r: f"running {len(a[0].scheduler.running
 traced(disk.DiskCache, "load_many", lambda a, r: f"{len(a[1])} keys")
 traced(shared_prefix.SharedPrefix, "from_blocks", lambda a, r: f"{r.length} tokens")
 traced(text.TextBackend, "_extend", lambda a, r: f"{len(a[2])} tail tokens")
+traced(text.TextBackend, "compute_prefix", lambda a, r: f"{a[2]} prefix tokens")
 traced(text.TextBackend, "next", lambda a, r: f"prompt work {r[0]}, {len(r[1])} tokens")
 traced(generate.PromptProcessingBatch, "prompt",
        lambda a, r: f"{len(a[1])} rows, longest {max(map(len, a[1]), default=0)} tokens")
