@@ -257,3 +257,24 @@ def test_a_commit_fsyncs_only_the_files_that_grew(tmp_path, monkeypatch):
     sink.sync()
     assert synced == []  # nothing new
     sink.close()
+
+
+def test_a_gpu_jobs_warm_up_changes_no_result_or_report_figure(rows_file, tmp_path, monkeypatch):
+    """On a GPU the job runs two short rows through the engine before its own (here forced
+    on the CPU): the same records, and the report counts only the job's rows."""
+    from batchrun.engine.engine import Engine
+
+    run(rows_file, "--job-dir", tmp_path / "plain", "--cache-dir", tmp_path / "c1")
+    warmed = []
+    real = Engine.warm_up
+    monkeypatch.setattr(Engine, "warm_up",
+                        lambda self, cpu_too=False: (warmed.append(1), real(self, cpu_too=True)))
+    run(rows_file, "--job-dir", tmp_path / "warm", "--cache-dir", tmp_path / "c2")
+    assert warmed == [1]
+    plain, warm = (jsonl(tmp_path / j / "results.jsonl") for j in ("plain", "warm"))
+    assert [(r["custom_id"], r["text"], r["usage"]) for r in warm] == \
+        [(r["custom_id"], r["text"], r["usage"]) for r in plain]
+    a, b = (orjson.loads((tmp_path / j / "report.json").read_bytes()) for j in ("plain", "warm"))
+    fields = ("rows_done", "rows_failed", "prompt_tokens", "cached_prompt_tokens",
+              "completion_tokens")
+    assert [b[f] for f in fields] == [a[f] for f in fields]
