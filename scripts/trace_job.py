@@ -1,8 +1,9 @@
 """Where a `batchrun run` spends its first seconds: the command line's arguments, run with
 timestamps (seconds since the job loop started) printed to stderr for each feeder take,
 engine step, prefill call (rows, longest prompt), disk-cache read, shared-prefix build, a
-cold prefix's computation and tail computation; and the process's phases (imports, model loading, engine start, job
-preparation, the job loop, exit) in seconds since the process started.
+cold prefix's computation and tail computation; and the process's phases (imports, model
+loading, engine start, job preparation, the job loop, exit) in seconds since the process
+started.
 
     python scripts/trace_job.py run ROWS.jsonl --model PATH --job-dir DIR [--cache-dir DIR] ...
 """
