@@ -8,17 +8,9 @@ import random
 from pathlib import Path
 
 from batchrun.models.build import question, review
+from batchrun.models.lessons import WEATHER_TOOL
 
 OUT = Path(__file__).resolve().parents[1] / "sample_data"
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather for a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                       "required": ["city"]},
-    },
-}
 
 
 def prompts(rng: random.Random, n: int = 64) -> list[dict]:

@@ -3,7 +3,7 @@
 import hashlib
 import json
 
-from batchrun.models import DEMO_MODEL, resolve
+from batchrun.models import DEMO_MODEL, RANDOM_DEMO_MODEL, resolve
 from batchrun.models.build import build
 
 
@@ -11,21 +11,23 @@ def digest(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_build_script_reproduces_the_bundled_files(tmp_path):
+def test_build_script_reproduces_the_bundled_random_model(tmp_path):
     out = build(tmp_path / "demo")
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"):
-        assert digest(out / name) == digest(DEMO_MODEL / name), name
+        assert digest(out / name) == digest(RANDOM_DEMO_MODEL / name), name
 
 
-def test_demo_model_shape(demo):
+def test_demo_model_shape(trained):
     config = json.loads((DEMO_MODEL / "config.json").read_text())
     assert config["model_type"] == "llama" and config["torch_dtype"] == "float32"
-    assert config["max_position_embeddings"] == 8192 == demo.context_length
-    assert config["vocab_size"] == len(demo.tokenizer._tokenizer)
+    assert config["max_position_embeddings"] == 8192 == trained.context_length
+    assert config["vocab_size"] == len(trained.tokenizer._tokenizer)
     size = (DEMO_MODEL / "model.safetensors").stat().st_size
     assert 1e6 < size < 10e6
-    assert demo.tokenizer.has_thinking and demo.tokenizer.has_tool_calling
-    assert resolve(None) == resolve("demo") == str(DEMO_MODEL)
+    assert trained.tokenizer.has_thinking and trained.tokenizer.has_tool_calling
+    assert resolve(None) == resolve("demo") == str(DEMO_MODEL)  # the trained one
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the pair shares one tokenizer
+        assert digest(DEMO_MODEL / name) == digest(RANDOM_DEMO_MODEL / name)
 
 
 def test_the_demo_model_output_depends_on_the_input(demo):

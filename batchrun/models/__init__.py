@@ -15,7 +15,13 @@ MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_t
 VISION_FILES = ("preprocessor_config.json", "processor_config.json",
                 "video_preprocessor_config.json")
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEMO_MODEL = REPO_ROOT / "sample_data" / "demo-model"
+# The demo model: a small Llama-shaped model trained here on the sample data's kind of text
+# (train.py), and its draft (same tokenizer, for speculative decoding).
+DEMO_MODEL = REPO_ROOT / "sample_data" / "demo-trained"
+DEMO_DRAFT_MODEL = REPO_ROOT / "sample_data" / "demo-draft"
+# The same tokenizer with random weights (build.py): tests and benchmarks, whose rows then run
+# to their max_tokens.
+RANDOM_DEMO_MODEL = REPO_ROOT / "sample_data" / "demo-model"
 DEMO_NAME = "demo"
 
 
@@ -30,11 +36,14 @@ class LoadedModel:
 
 
 def resolve(model: str | None) -> str:
-    """The path or Hugging Face id to load; None or "demo" means the bundled demo model."""
+    """The path or Hugging Face id to load; None or "demo" means the bundled demo model (or
+    the folder BATCHRUN_DEMO_MODEL names)."""
     if model in (None, "", DEMO_NAME):
-        if (DEMO_MODEL / "config.json").exists():
-            return str(DEMO_MODEL)
-        # Installed without the repo: rebuild the (deterministic) demo model once.
+        demo = Path(os.environ.get("BATCHRUN_DEMO_MODEL") or DEMO_MODEL)
+        if (demo / "config.json").exists():
+            return str(demo)
+        # Installed without the repo: build the random-weight demo model once (training the
+        # trained one takes minutes: python -m batchrun.models.train).
         from batchrun.models.build import build
         from batchrun.paths import default_cache_dir
 

@@ -192,6 +192,14 @@ def build(out: str | Path, shape: str = "demo", seed: int = 0) -> Path:
     spec = SHAPES[shape]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    config = model_folder(out, spec, seed, shape)
+    _write_weights(out / "model.safetensors", config, spec, seed)
+    return out
+
+
+def model_folder(out: Path, spec: Shape, seed: int, shape: str) -> dict:
+    """The demo tokenizer, config.json and generation_config.json of a model of this shape in
+    `out` (weights not included); the config."""
     n_vocab = build_tokenizer(out, seed=seed)
     vocab_size = spec.vocab_size or n_vocab
     ids = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
@@ -217,8 +225,7 @@ def build(out: str | Path, shape: str = "demo", seed: int = 0) -> Path:
     }
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", {"eos_token_id": eos})
-    _write_weights(out / "model.safetensors", config, spec, seed)
-    return out
+    return config
 
 
 def _write_weights(path: Path, config: dict, spec: Shape, seed: int) -> None:

@@ -1,0 +1,188 @@
+"""Train the demo model pair on this CPU: a small Llama-shaped target and a smaller draft that
+shares its tokenizer, both from lessons.py (labeling the sample reviews, answering the sample
+questions, calling the sample weather tool, plain text). Deterministic from the seed on one
+machine (the same data order, initialization and fp32 arithmetic).
+
+    python -m batchrun.models.train sample_data/demo-trained sample_data/demo-draft
+        [--steps N] [--seed S]
+
+Each folder is a complete mlx-lm model (the demo tokenizer and chat template of build.py). The
+labeling accuracy on held-out reviews is printed and written to the target's config.json
+(`batchrun_training`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import batchrun  # noqa: F401  (BLAS routing before MLX)
+
+# isort: split
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+from mlx.utils import tree_flatten
+
+from batchrun.models import build, lessons
+
+SHAPES = {
+    "target": build.Shape(192, 4, 512, 6, 2),
+    "draft": build.Shape(96, 2, 256, 3, 1),
+}
+BATCH = 16
+LENGTH_STEP = 32  # batches are padded to a multiple of this (few shapes to compile)
+MAX_LENGTH = 256
+PEAK_LR = 3e-3
+WARMUP = 50
+
+
+def encode_examples(tokenizer, examples) -> list[tuple[list[int], list[int]]]:
+    """(token ids, loss mask) per example: chats learn their last (assistant) turn, text all of
+    it. An example whose prompt does not tokenize as a prefix of the whole is dropped."""
+    eos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    out = []
+    for content, tools in examples:
+        if isinstance(content, str):
+            ids = tokenizer.encode(content, add_special_tokens=False) + [eos]
+            mask = [1] * len(ids)
+        else:
+            prompt = tokenizer.apply_chat_template(content[:-1], tools=tools, tokenize=False,
+                                                   add_generation_prompt=True)
+            whole = tokenizer.apply_chat_template(content, tools=tools, tokenize=False)
+            head = tokenizer.encode(prompt, add_special_tokens=False)
+            ids = tokenizer.encode(whole.rstrip("\n"), add_special_tokens=False)
+            if ids[:len(head)] != head:
+                continue
+            mask = [0] * len(head) + [1] * (len(ids) - len(head))
+        if len(ids) <= MAX_LENGTH:
+            out.append((ids, mask))
+    return out
+
+
+def batches(data: list, steps: int, seed: int):
+    """`steps` batches of BATCH examples, padded (mask 0) to a multiple of LENGTH_STEP."""
+    rng = random.Random(seed)
+    for _ in range(steps):
+        chosen = rng.sample(data, BATCH)
+        width = math.ceil(max(len(ids) for ids, _ in chosen) / LENGTH_STEP) * LENGTH_STEP
+        ids = [row + [0] * (width - len(row)) for row, _ in chosen]
+        mask = [m + [0] * (width - len(m)) for _, m in chosen]
+        yield mx.array(ids), mx.array(mask, mx.float32)
+
+
+def make_model(config: dict):
+    from mlx_lm.models import llama
+
+    return llama.Model(llama.ModelArgs.from_dict(config))
+
+
+def train(model, data: list, steps: int, seed: int, log_every: int = 50) -> float:
+    """Next-token cross-entropy on the masked tokens, AdamW with warm-up and cosine decay;
+    the last logged loss."""
+    schedule = optim.join_schedules(
+        [optim.linear_schedule(PEAK_LR / 10, PEAK_LR, WARMUP),
+         optim.cosine_decay(PEAK_LR, max(1, steps - WARMUP), PEAK_LR / 20)], [WARMUP])
+    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.01)
+
+    def loss_fn(model, ids, mask):
+        logits = model(ids[:, :-1])
+        losses = nn.losses.cross_entropy(logits, ids[:, 1:], reduction="none")
+        weights = mask[:, 1:]
+        return (losses * weights).sum() / mx.maximum(weights.sum(), 1)
+
+    grad = nn.value_and_grad(model, loss_fn)
+    state = [model.state, optimizer.state]
+
+    def step(ids, mask):
+        loss, grads = grad(model, ids, mask)
+        optimizer.update(model, grads)
+        return loss
+
+    step = mx.compile(step, inputs=state, outputs=state)
+    start, recent = time.perf_counter(), []
+    for i, (ids, mask) in enumerate(batches(data, steps, seed), 1):
+        loss = step(ids, mask)
+        mx.eval(state, loss)
+        recent.append(loss.item())
+        if i % log_every == 0 or i == steps:
+            print(f"step {i:5d}  loss {sum(recent) / len(recent):.3f}  "
+                  f"{time.perf_counter() - start:.0f}s", flush=True)
+            last, recent = sum(recent) / len(recent), []
+    return last
+
+
+def labeling_accuracy(folder: Path, rows: int = 200, seed: int = 12345) -> float:
+    """Greedy answers of the model in `folder` to the sample labeling prompt for held-out
+    reviews (their own seed), against the reviews' sentiment."""
+    from batchrun.engine.engine import Engine
+    from batchrun.engine.request import SamplingParams
+
+    engine = Engine.load(str(folder), prefix_cache=False)
+    rng = random.Random(seed)
+    chats, expected = [], []
+    for _ in range(rows):
+        product, text, rating = build.review(rng)
+        chats.append([{"role": "system", "content": lessons.LABEL_SYSTEM},
+                      {"role": "user", "content": lessons.LABEL_PROMPT.format(
+                          product=product, review=text)}])
+        expected.append(lessons.sentiment(rating))
+    outs = engine.generate(chats, SamplingParams(max_tokens=4))
+    return sum(o.text.strip() == want for o, want in zip(outs, expected, strict=True)) / rows
+
+
+def write_model(out: Path, model, config: dict) -> None:
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    build._write_json(out / "config.json", config)
+
+
+def train_pair(target_out: Path, draft_out: Path, steps: int, seed: int,
+               draft_steps: int | None = None, examples: int = 20000) -> dict:
+    """Train and write both models; the target's held-out labeling accuracy and losses."""
+    results = {}
+    data = None
+    for role, out, n in (("target", target_out, steps), ("draft", draft_out,
+                                                          draft_steps or steps)):
+        out.mkdir(parents=True, exist_ok=True)
+        config = build.model_folder(out, SHAPES[role], seed, f"demo-{role}")
+        if data is None:
+            from transformers import PreTrainedTokenizerFast
+
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(out))
+            data = encode_examples(tokenizer, lessons.examples(seed, examples))
+            print(f"{len(data)} examples", flush=True)
+        mx.random.seed(seed)
+        model = make_model(config)
+        mx.eval(model.parameters())
+        loss = train(model, data, n, seed)
+        config["batchrun_training"] = {"steps": n, "seed": seed, "examples": len(data),
+                                       "final_loss": round(loss, 4)}
+        write_model(out, model, config)
+        results[role] = {"loss": loss}
+    accuracy = labeling_accuracy(target_out)
+    results["target"]["labeling_accuracy"] = accuracy
+    config = json.loads((target_out / "config.json").read_text())
+    config["batchrun_training"]["labeling_accuracy"] = round(accuracy, 4)
+    build._write_json(target_out / "config.json", config)
+    print(json.dumps(results), flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("target", type=Path)
+    parser.add_argument("draft", type=Path)
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--draft-steps", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    train_pair(args.target, args.draft, args.steps, args.seed, args.draft_steps)
+
+
+if __name__ == "__main__":
+    main()

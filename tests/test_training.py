@@ -1,0 +1,101 @@
+"""The trained demo pair's lessons and trainer (batchrun/models/lessons.py, train.py)."""
+
+import random
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from batchrun.models import build, lessons, train
+
+
+def test_every_sample_question_has_an_answer_and_every_review_its_sentiment():
+    for task in build.TASKS:
+        for topic in build.TOPICS:
+            assert lessons.answer(task, topic).strip()
+    rng = random.Random(3)
+    for _ in range(200):
+        chat = lessons.labeling_chat(rng)
+        review = chat[-2]["content"]
+        label = chat[-1]["content"]
+        if "Some days I like it" in review:
+            assert label == "neutral"
+        elif any(f" {word} " in f" {review.replace('.', ' ')} " for word in build.BAD):
+            assert label in ("negative", "neutral")
+        assert label in ("positive", "negative", "neutral")
+    assert lessons.examples(7, 50) == lessons.examples(7, 50)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from transformers import PreTrainedTokenizerFast
+
+    out = tmp_path_factory.mktemp("tok")
+    build.model_folder(out, train.SHAPES["draft"], 0, "demo-draft")
+    return PreTrainedTokenizerFast.from_pretrained(str(out)), out
+
+
+def test_a_chat_teaches_only_its_answer_and_text_all_of_itself(tokenizer):
+    tok, _ = tokenizer
+    chat = [{"role": "system", "content": lessons.LABEL_SYSTEM},
+            {"role": "user", "content": "Review of a tent: it is noisy.\nSentiment:"},
+            {"role": "assistant", "content": "negative"}]
+    ((ids, mask), (text_ids, text_mask)) = train.encode_examples(
+        tok, [(chat, None), ("Plain text.", None)])
+    taught = tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    assert taught == "negative<|im_end|>"
+    assert tok.decode(ids).startswith("<|im_start|>system\n" + lessons.LABEL_SYSTEM)
+    assert all(text_mask) and tok.decode(text_ids) == "Plain text.<|endoftext|>"
+
+
+def test_training_is_deterministic_from_its_seed_and_lowers_the_loss(tokenizer, monkeypatch):
+    tok, folder = tokenizer
+    import json
+
+    config = json.loads((folder / "config.json").read_text())
+    data = train.encode_examples(tok, lessons.examples(0, 200))
+    monkeypatch.setattr(train, "BATCH", 4)
+    runs = []
+    for _ in range(2):
+        mx.random.seed(0)
+        model = train.make_model(config)
+        first = train.train(model, data, 1, 0, log_every=1)
+        mx.random.seed(0)
+        model = train.make_model(config)
+        last = train.train(model, data, 12, 0, log_every=12)
+        runs.append((first, last, [v.tolist() for _, v in tree_flatten(model.parameters())[:3]]))
+    assert runs[0] == runs[1]
+    assert runs[0][1] < runs[0][0]
+
+
+def test_the_trained_demo_labels_the_sample_reviews_and_calls_the_sample_tool(
+        tmp_path, trained):
+    """What the README says of the default demo model, through `batchrun run`."""
+    import orjson
+    from click.testing import CliRunner
+
+    from batchrun.cli import cli
+    from batchrun.models import REPO_ROOT
+
+    out = tmp_path / "labels.jsonl"
+    result = CliRunner().invoke(cli, ["run", str(REPO_ROOT / "jobs" / "label_reviews_choices.toml"),
+                                      "--job-dir", str(tmp_path / "job"), "--output", str(out),
+                                      "--quiet"])
+    assert result.exit_code == 0, result.output
+    ratings = {r["id"]: r["rating"] for r in map(
+        orjson.loads, (REPO_ROOT / "sample_data" / "reviews.jsonl").read_bytes().splitlines())}
+    labels = {r["custom_id"]: r["text"] for r in map(orjson.loads, out.read_bytes().splitlines())}
+    agree = sum(labels[i] == lessons.sentiment(rating) for i, rating in ratings.items())
+    commonest = max(list(map(lessons.sentiment, ratings.values())).count(s)
+                    for s in ("positive", "negative", "neutral"))
+    assert len(labels) == 200 and agree >= 190 and commonest <= 80  # far above the baseline
+
+    rows = tmp_path / "weather.jsonl"
+    rows.write_bytes(orjson.dumps({"messages": [{"role": "user", "content":
+                                                 "What is the weather in Oslo?"}],
+                                   "tools": [lessons.WEATHER_TOOL], "max_tokens": 32}) + b"\n")
+    result = CliRunner().invoke(cli, ["run", str(rows), "--job-dir", str(tmp_path / "w"),
+                                      "--quiet"])
+    assert result.exit_code == 0, result.output
+    record = orjson.loads((tmp_path / "w" / "results.jsonl").read_bytes())
+    assert record["tool_calls"] == [{"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
