@@ -86,10 +86,14 @@ class Engine(Requests, CacheControl):
         self._markup: Markup | None = None
         self._ids = itertools.count()
         self._finished: list[Output] = []
+        self._start_figures()
+        backend.start(self.max_concurrency, self.config)
+
+    def _start_figures(self) -> None:
+        """The engine's figures (stats, timeline) from zero, timed from now."""
         self.stats = EngineStats()
         self._started = time.perf_counter()
         self._last_sample = -TIMELINE_INTERVAL_S
-        backend.start(self.max_concurrency, self.config)
 
     @classmethod
     def load(cls, model: str | None = None, config: EngineConfig | None = None,
@@ -147,9 +151,7 @@ class Engine(Requests, CacheControl):
             self.run()
         finally:
             self.scheduler.planner = planner
-        self.stats = EngineStats()
-        self._started = time.perf_counter()
-        self._last_sample = -TIMELINE_INTERVAL_S
+        self._start_figures()
 
     def add_tokens(self, prompt: list[int], params: SamplingParams, inputs: Any = None) -> int:
         """Queue a request from token ids (and what the backend needs besides); its id."""

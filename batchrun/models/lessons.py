@@ -151,12 +151,16 @@ def qa(rng: random.Random) -> tuple[str, str]:
     return task.format(t=topic), answer(task, topic)
 
 
+def label_request(product: str, text: str) -> list[dict]:
+    """The sample labeling jobs' messages for one review."""
+    return [{"role": "system", "content": LABEL_SYSTEM},
+            {"role": "user", "content": LABEL_PROMPT.format(product=product, review=text)}]
+
+
 def labeling_chat(rng: random.Random) -> list[dict]:
     product, text, rating = review(rng)
     if rng.random() < 0.8:
-        messages = [{"role": "system", "content": LABEL_SYSTEM},
-                    {"role": "user", "content": LABEL_PROMPT.format(product=product,
-                                                                    review=text)}]
+        messages = label_request(product, text)
     else:
         prompt = rng.choice(OTHER_LABEL_PROMPTS).format(review=text)
         messages = [{"role": "user", "content": prompt}]

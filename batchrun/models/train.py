@@ -127,9 +127,7 @@ def labeling_accuracy(folder: Path, rows: int = 200, seed: int = 12345) -> float
     chats, expected = [], []
     for _ in range(rows):
         product, text, rating = build.review(rng)
-        chats.append([{"role": "system", "content": lessons.LABEL_SYSTEM},
-                      {"role": "user", "content": lessons.LABEL_PROMPT.format(
-                          product=product, review=text)}])
+        chats.append(lessons.label_request(product, text))
         expected.append(lessons.sentiment(rating))
     outs = engine.generate(chats, SamplingParams(max_tokens=4))
     return sum(o.text.strip() == want for o, want in zip(outs, expected, strict=True)) / rows
