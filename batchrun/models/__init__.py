@@ -39,9 +39,11 @@ def resolve(model: str | None) -> str:
     """The path or Hugging Face id to load; None or "demo" means the bundled demo model (or
     the folder BATCHRUN_DEMO_MODEL names)."""
     if model in (None, "", DEMO_NAME):
-        demo = Path(os.environ.get("BATCHRUN_DEMO_MODEL") or DEMO_MODEL)
-        if (demo / "config.json").exists():
-            return str(demo)
+        named = os.environ.get("BATCHRUN_DEMO_MODEL")
+        if named:  # loaded, and refused if it is no model, like any --model
+            return named
+        if (DEMO_MODEL / "config.json").exists():
+            return str(DEMO_MODEL)
         # Installed without the repo: build the random-weight demo model once (training the
         # trained one takes minutes: python -m batchrun.models.train).
         from batchrun.models.build import build
