@@ -1,6 +1,6 @@
 """Check the ranged decode kernel (batchrun/engine/decode_attention.py) on a CUDA device.
 
-    python scripts/check_decode_kernel.py OUT_DIR [--quick]
+    python scripts/check_decode_kernel.py OUT_DIR [--quick | --greedy-only]
 
 1. Correctness: the kernel (both layouts, da.GROUPED) against `reference` (float32
    MLX ops on the CPU, same inputs) over dtypes, head dims, query heads per KV head, row
@@ -94,19 +94,42 @@ def greedy(model_dir: str) -> list[dict]:
         lm.model.set_dtype(dtype)
         prompts = [list(range(5 + i % 7, 40 + (i * 13) % 90)) for i in range(48)]
         tokens = {}
-        for on in (False, True):
-            da.ENABLED = on
+        # MLX's attention with a mask, then the kernel in each layout (da.GROUPED)
+        for on, grouped in ((False, DEFAULT_GROUPED), (True, True), (True, False)):
+            da.ENABLED, da.GROUPED = on, grouped
             da.EVERYWHERE = on and dtype == mx.float32  # the kernel serves half types alone
             engine = Engine(lm.model, lm.tokenizer, EngineConfig(max_concurrency=16),
                             lm.context_length)
             for p in prompts:
                 engine.add_tokens(p, SamplingParams(max_tokens=24))
-            tokens[on] = [o.token_ids for o in engine.run()]
-        da.ENABLED, da.EVERYWHERE = True, False
-        differ = sum(a != b for a, b in zip(tokens[False], tokens[True], strict=True))
-        results.append({"dtype": str(dtype), "rows": len(prompts), "rows_differing": differ})
-        print(json.dumps(results[-1]), flush=True)
+            tokens[on, grouped] = [o.token_ids for o in engine.run()]
+        da.ENABLED, da.EVERYWHERE, da.GROUPED = True, False, DEFAULT_GROUPED
+        masked = tokens[False, DEFAULT_GROUPED]
+        for grouped in (True, False):
+            kernel = tokens[True, grouped]
+            results.append({
+                "dtype": str(dtype), "layout": "grouped" if grouped else "lane_per_key",
+                "rows": len(prompts),
+                "rows_differing": sum(a != b for a, b in zip(masked, kernel, strict=True)),
+                "divergences": [divergence(lm.model, p, a, b) for p, a, b in
+                                zip(prompts, masked, kernel, strict=True) if a != b]})
+            print(json.dumps(results[-1]), flush=True)
     return results
+
+
+def divergence(model, prompt: list[int], a: list[int], b: list[int]) -> dict:
+    """Where two greedy runs of one row part, and how close the choice was there: the top two
+    logits of the whole sequence up to that point in one causal forward pass (no batch, no
+    cache). A gap near the dtype's rounding is a tie the two attention paths broke apart."""
+    at = next(i for i, (x, y) in enumerate(zip(a + [-1], b + [-2], strict=False)) if x != y)
+    logits = model(mx.array([prompt + a[:at]]))[0, -1].astype(mx.float32)
+    top = mx.sort(logits)[-2:].tolist()
+    return {"position": at, "tokens": [a[at] if at < len(a) else None,
+                                       b[at] if at < len(b) else None],
+            "top_two_gap": top[1] - top[0],
+            "logit_of_each": [logits[t].item() if t is not None else None
+                              for t in (a[at] if at < len(a) else None,
+                                        b[at] if at < len(b) else None)]}
 
 
 WARPS_SWEEP = tuple(w for w in (2, 4, 8) if w != da.WARPS)
@@ -166,14 +189,17 @@ def main() -> None:
     parser.add_argument("--model", default="/tmp/m150",
                         help="an mlx-lm model folder for the greedy check (the 150m shape "
                              "is built there if absent)")
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="no greedy-token check")
+    parser.add_argument("--greedy-only", action="store_true",
+                        help="only the greedy-token check")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if not da.on_cuda():
         sys.exit("check_decode_kernel.py needs MLX's CUDA backend")
-    result = {"correctness": correctness()}
-    result["timing"] = [timing(r, n) for r, n in ((1024, 256), (1024, 384), (256, 256),
-                                                  (512, 64), (8, 2048), (64, 1024))]
+    result = {"correctness": [] if args.greedy_only else correctness()}
+    if not args.greedy_only:
+        result["timing"] = [timing(r, n) for r, n in ((1024, 256), (1024, 384), (256, 256),
+                                                      (512, 64), (8, 2048), (64, 1024))]
     if not args.quick:
         if not (Path(args.model) / "config.json").exists():
             from batchrun.models.build import build

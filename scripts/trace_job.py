@@ -6,6 +6,9 @@ loading, engine start, job preparation, the job loop, exit) in seconds since the
 started.
 
     python scripts/trace_job.py run ROWS.jsonl --model PATH --job-dir DIR [--cache-dir DIR] ...
+
+Also when the feeder's threads finished building the first and the last row. With
+TRACE_NO_WARM_UP=1 the engine's warm-up is skipped (to measure what it costs or saves).
 """
 
 import time
@@ -16,6 +19,7 @@ PROCESS_START = time.perf_counter()
 import atexit  # noqa: E402
 import functools  # noqa: E402
 import importlib  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -97,6 +101,29 @@ traced(text.TextBackend, "compute_prefix", lambda a, r: f"{a[2]} prefix tokens")
 traced(text.TextBackend, "next", lambda a, r: f"prompt work {r[0]}, {len(r[1])} tokens")
 traced(generate.PromptProcessingBatch, "prompt",
        lambda a, r: f"{len(a[1])} rows, longest {max(map(len, a[1]), default=0)} tokens")
+
+BUILT: list[float] = []
+
+
+def build_timed(real):
+    @functools.wraps(real)
+    def wrapper(*args, **kwargs):
+        result = real(*args, **kwargs)
+        BUILT.append(time.perf_counter() - T0[0])
+        return result
+    return wrapper
+
+
+def report_built() -> None:
+    if BUILT:
+        print(f"rows built by the feeder: {len(BUILT)}, the first at {min(BUILT):.3f}s, the "
+              f"last at {max(BUILT):.3f}s", file=sys.stderr, flush=True)
+
+
+runner.JobRunner._build_task = build_timed(runner.JobRunner._build_task)
+atexit.register(report_built)
+if os.environ.get("TRACE_NO_WARM_UP") == "1":
+    engine.Engine.warm_up = lambda self, cpu_too=False: None
 
 if __name__ == "__main__":
     sys.argv = ["batchrun", *sys.argv[1:]]

@@ -83,6 +83,9 @@ class Task:
     vision: Any = None  # engine.vision.VisionInputs for a row with images (a vision model)
     tools: list | None = None  # the tools the row offered (its tool calls are parsed)
     chat: bool = True  # a chat-templated prompt (a raw `prompt` is not): reasoning is parsed
+    # A digest of the prompt's tokens and images (JobRunner._build_task, in a feeder thread):
+    # identical requests are found by it without hashing the whole prompt in the job loop.
+    prompt_digest: bytes = b""
 
     def sample_params(self) -> list[SamplingParams]:
         """One SamplingParams per sample: sample 0 is the row's own, the others get distinct
