@@ -12,14 +12,20 @@ one call, applies logits processors only to the rows that have some (grammar mas
 constrained rows in one parallel call, see constrain.py), and leaves a finished row's
 cache alone (the engine cuts out the prefix blocks it stores itself). Tokens, stops and the
 order of operations on the device are mlx-lm's, so outputs are identical.
+
+With a `speculator` (speculate.py), a narrow batch's step verifies each row's proposed tokens in
+one forward and hands out every token a row keeps.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.generate import GenerationBatch, _extend_cache
 
 from batchrun.engine.constrain import GrammarProcessor
+from batchrun.engine.sampling import greedy
+from batchrun.engine.speculate import Speculator, ngram_proposal, rollback
 
 
 def _matrix(logprobs) -> mx.array | None:
@@ -31,6 +37,7 @@ def _matrix(logprobs) -> mx.array | None:
 
 class LeanGenerationBatch(GenerationBatch):
     logprob_uids: set[int]  # rows whose Response carries their log-probabilities
+    speculator: Speculator | None = None  # speculative decoding where the batch is narrow
 
     @classmethod
     def empty(cls, model, fallback_sampler, logprob_uids: set[int] | None = None):
@@ -142,20 +149,103 @@ class LeanGenerationBatch(GenerationBatch):
     def next(self) -> list[GenerationBatch.Response]:
         if not self.uids:
             return []
-        tokens, logprobs = self._step()
+        spec = self.speculator
+        rows = len(self.uids)
+        speculating = spec is not None and \
+            spec.wants(rows, self.prompt_cache, allowed=not any(self.logits_processors))
+        timed = True
+        if speculating:
+            emitted, logprobs, timed = self._speculative_step(spec)
+        else:
+            tokens, logprobs = self._step()
+            emitted = [[t] for t in tokens]
+        if spec is not None:
+            spec.step(speculating, rows, sum(map(len, emitted)), timed)
         keep, responses = [], []
         wanted = self.logprob_uids
-        for i, (uid, token) in enumerate(zip(self.uids, tokens, strict=True)):
-            self._num_tokens[i] += 1
-            reason = "length" if self._num_tokens[i] >= self.max_tokens[i] else None
-            if self._matchers[i].advance(token):
-                reason = "stop"
+        for i, (uid, tokens) in enumerate(zip(self.uids, emitted, strict=True)):
+            reason = None
+            for n, token in enumerate(tokens):
+                self._num_tokens[i] += 1
+                reason = "length" if self._num_tokens[i] >= self.max_tokens[i] else None
+                if self._matchers[i].advance(token):
+                    reason = "stop"
+                responses.append(self.Response(
+                    uid=uid, token=token,
+                    logprobs=logprobs[i] if n == 0 and uid in wanted else None,
+                    finish_reason=reason, prompt_cache=None,
+                    all_tokens=self.tokens[i] if reason else None))
+                if reason is not None:
+                    break
             if reason is None:
                 keep.append(i)
-            responses.append(self.Response(
-                uid=uid, token=token, logprobs=logprobs[i] if uid in wanted else None,
-                finish_reason=reason, prompt_cache=None,
-                all_tokens=self.tokens[i] if reason else None))
         if len(keep) < len(self.uids):
             self.filter(keep)
         return responses
+
+    def _speculative_step(self, spec: Speculator) -> tuple[list[list[int]], mx.array, bool]:
+        """Each row's pending token, then its proposals verified in one forward of the model;
+        (each row's tokens this step: the pending one and the proposals it keeps, the pending
+        tokens' log-probabilities, whether the step's time is its own: no draft prefill). The
+        token the model chose after the last kept proposal is
+        the row's next pending one, and the KV of the proposals it did not keep is dropped."""
+        inputs, current = self._next_tokens, _matrix(self._next_logprobs)
+        mx.eval(inputs, current)
+        pending = inputs.tolist()
+        rows, k = len(self.uids), spec.k
+        samplers = [s or self.fallback_sampler for s in self.samplers]
+        sampled = [i for i, s in enumerate(samplers) if s is not greedy]
+        # A row proposes tokens unless it reports log-probabilities or has one token to go.
+        room = [0 if uid in self.logprob_uids else
+                max(0, min(k, self.max_tokens[i] - self._num_tokens[i] - 1))
+                for i, uid in enumerate(self.uids)]
+
+        def choose(logprobs: mx.array, offset: int) -> mx.array:
+            """The model's (or the draft's) token at each row's position `offset` past its
+            pending one: the argmax, or a sampled row's pick under that position's noise."""
+            out = mx.argmax(logprobs, axis=-1)
+            if sampled:
+                index = mx.array(sampled)
+                out[index] = mx.concatenate([samplers[i].at(logprobs[i: i + 1],
+                                                            [samplers[i].position + offset])
+                                             for i in sampled])
+            return out
+
+        prefilled = False
+        if spec.method == "draft":
+            prefilled = spec.draft.sync(self.uids, self.tokens)
+            drafts = spec.draft.propose(inputs, k, choose)
+        else:
+            guesses = []
+            for i in range(rows):
+                guess = ngram_proposal(np.asarray(self.tokens[i] + [pending[i]]), room[i]) \
+                    if room[i] else []
+                room[i] = len(guess)
+                guesses.append(guess + [0] * (k - len(guess)))
+            drafts = mx.array(guesses, dtype=inputs.dtype)
+        logits = self.model(mx.concatenate([inputs[:, None], drafts], axis=1),
+                            cache=self.prompt_cache)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (rows, k + 1, V)
+        choices = mx.stack([choose(logprobs[:, j], j) for j in range(k + 1)], axis=1)
+        mx.eval(choices, drafts)
+        chosen, proposed = choices.tolist(), drafts.tolist()
+        kept = []
+        for i in range(rows):
+            n = 0
+            while n < room[i] and proposed[i][n] == chosen[i][n]:
+                n += 1
+            kept.append(n)
+        rollback(self.prompt_cache, [k - n for n in kept])
+        if spec.method == "draft":
+            spec.draft.rollback([k - n for n in kept])
+        emitted = [[pending[i], *proposed[i][:n]] for i, n in enumerate(kept)]
+        for i, tokens in enumerate(emitted):
+            self.tokens[i].extend(tokens)  # what the cache holds
+        for i in sampled:
+            samplers[i].position += kept[i] + 1
+        self._next_tokens = mx.array([chosen[i][n] for i, n in enumerate(kept)],
+                                     dtype=inputs.dtype)
+        self._next_logprobs = logprobs[mx.arange(rows), mx.array(kept)]
+        mx.async_eval(self._next_tokens, self._next_logprobs)
+        spec.record(sum(room), sum(kept), rows)
+        return emitted, current, not prefilled

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from typing import Any
 
@@ -43,6 +44,8 @@ from batchrun.engine.request import (
 from batchrun.engine.requests import Requests
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence, Status
+
+log = logging.getLogger("batchrun")
 
 TIMELINE_INTERVAL_S = 0.5
 # warm_up's rows (first token id, length): unequal lengths, so the prefill is padded as a
@@ -86,12 +89,43 @@ class Engine(Requests, CacheControl):
         self._markup: Markup | None = None
         self._ids = itertools.count()
         self._finished: list[Output] = []
+        self.speculator = self._speculator(backend)
         self._start_figures()
         backend.start(self.max_concurrency, self.config)
+
+    def _speculator(self, backend: Backend):
+        """The config's speculative decoding (speculate.py) for a backend that takes it, with
+        its draft model loaded; None when off. ValueError for a draft whose tokenizer is not
+        this model's."""
+        method = self.config.speculate
+        if method == "off":
+            return None
+        if not hasattr(backend, "speculate"):
+            log.warning("speculative decoding serves text models; this one decodes without it")
+            return None
+        from batchrun.engine.speculate import DraftModel, Speculator
+
+        draft = None
+        if method == "draft":
+            from batchrun.models import load_model
+
+            loaded = load_model(self.config.draft_model)
+            if not same_vocabulary(loaded.tokenizer, self.tokenizer):
+                raise ValueError(f"the draft model {self.config.draft_model} does not share "
+                                 "the model's tokenizer (its vocabulary differs)")
+            draft = DraftModel(loaded.model, self.config.prefill_step_size)
+            if not draft.usable:
+                raise ValueError(f"the draft model {self.config.draft_model}: its KV cache "
+                                 "cannot drop tokens (a sliding window or recurrent state)")
+        speculator = Speculator(method, self.config.draft_tokens, draft)
+        backend.speculate(speculator)
+        return speculator
 
     def _start_figures(self) -> None:
         """The engine's figures (stats, timeline) from zero, timed from now."""
         self.stats = EngineStats()
+        if self.speculator is not None:
+            self.speculator.stats = self.stats.speculation
         self._started = time.perf_counter()
         self._last_sample = -TIMELINE_INTERVAL_S
 
@@ -274,7 +308,8 @@ class Engine(Requests, CacheControl):
                 self._recover(e)
             else:
                 self._collect(steps)
-                self._account(prompt_work, len(steps), time.perf_counter() - start)
+                self._account(prompt_work, len(steps), time.perf_counter() - start,
+                              len({s.uid for s in steps}))
         finished, self._finished = self._finished, []
         self.stats.requests_finished += len(finished)
         if not self.has_work() and self.prefix_cache is not None:
@@ -386,8 +421,8 @@ class Engine(Requests, CacheControl):
             self._finish(failed, FinishReason.ERROR, in_batch=False, error=(
                 f"the engine failed on this row alone: {type(error).__name__}: {error}"))
 
-    def _account(self, prompt_work: bool, decoded: int, seconds: float) -> None:
-        self.stats.record_step(prompt_work, decoded, seconds, mx.get_peak_memory())
+    def _account(self, prompt_work: bool, decoded: int, seconds: float, rows: int) -> None:
+        self.stats.record_step(prompt_work, decoded, seconds, mx.get_peak_memory(), rows)
         self.sample_timeline()
 
     def sample_timeline(self, force: bool = False) -> None:
@@ -407,3 +442,11 @@ class Engine(Requests, CacheControl):
 def _out_of_memory(error: Exception) -> bool:
     return isinstance(error, MemoryError) or "out of memory" in str(error).lower() \
         or "bad_alloc" in str(error)
+
+
+def same_vocabulary(a: Any, b: Any) -> bool:
+    """Whether two mlx-lm tokenizers map the same strings to the same ids."""
+    vocab = [getattr(getattr(t, "_tokenizer", t), "get_vocab", None) for t in (a, b)]
+    if None in vocab:
+        return False
+    return vocab[0]() == vocab[1]()

@@ -155,6 +155,12 @@ class EngineConfig:
     # Rows starting with the same cached prefix attend one shared copy of its KV (False: each
     # row holds its own copy, as before; kept for side-by-side benchmarks).
     shared_prefix: bool = True
+    # Speculative decoding where the batch is narrow (speculate.py): "off", "ngram" (prompt
+    # lookup) or "draft" (draft_model, a model sharing the tokenizer); draft_tokens guesses a
+    # row a step.
+    speculate: str = "off"
+    draft_model: str | None = None
+    draft_tokens: int = 4
 
     def __post_init__(self) -> None:
         _check(self.max_concurrency is None or self.max_concurrency >= 1, "max_concurrency",
@@ -166,6 +172,12 @@ class EngineConfig:
         _check(self.prefill_step_size >= 1, "prefill_step_size", self.prefill_step_size, ">= 1")
         _check(0 < self.memory_utilization <= 1, "memory_utilization", self.memory_utilization,
                "in (0, 1]")
+        _check(self.speculate in ("off", "ngram", "draft"), "speculate", self.speculate,
+               'one of "off", "ngram", "draft"')
+        _check(self.speculate != "draft" or bool(self.draft_model), "draft_model",
+               self.draft_model, "a model (speculate is draft)")
+        _check(isinstance(self.draft_tokens, int) and 1 <= self.draft_tokens <= 16,
+               "draft_tokens", self.draft_tokens, "an integer in [1, 16]")
 
 
 # (concurrency cap, prefill token budget) by device. Measured: on this 2-core CPU a prefill of
@@ -188,6 +200,20 @@ def device_defaults(model=None) -> tuple[int, int]:
 
 
 @dataclass(slots=True)
+class SpeculationStats:
+    """Speculative decoding's account (speculate.py)."""
+
+    steps: int = 0  # verification forwards
+    row_steps: int = 0  # rows in them
+    proposed: int = 0  # tokens proposed
+    accepted: int = 0  # of them, kept: the tokens gained over one a row a step
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.proposed if self.proposed else None
+
+
+@dataclass(slots=True)
 class EngineStats:
     """What the engine did; timings in seconds, memory in bytes."""
 
@@ -206,10 +232,12 @@ class EngineStats:
     ttfts: list[float] = field(default_factory=list)
     # (seconds since start, prompt tokens, completion tokens, running sequences), sampled.
     timeline: list[tuple[float, int, int, int]] = field(default_factory=list)
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)
 
     def record_step(self, prompt_work: bool, decoded: int, seconds: float,
-                    peak_memory: int) -> None:
-        """One engine step: timed as prefill if it ran prompt work, else as decode."""
+                    peak_memory: int, rows: int | None = None) -> None:
+        """One engine step: timed as prefill if it ran prompt work, else as decode; `rows`
+        decoded `decoded` tokens (more than one a row where it speculated)."""
         if prompt_work:
             self.prefill_time += seconds
         else:
@@ -217,7 +245,7 @@ class EngineStats:
             self.decode_tokens += decoded
         if decoded:
             self.decode_steps += 1
-            self.batch_size_sum += decoded
+            self.batch_size_sum += decoded if rows is None else rows
         self.peak_memory_bytes = max(self.peak_memory_bytes, peak_memory)
 
     @property

@@ -17,31 +17,47 @@ def greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
+class RowSampler:
+    """A sampled request's sampler: the token at its generated position n is
+    argmax(filtered log-probabilities / temperature + Gumbel noise of key n), which is what
+    mx.random.categorical draws with key n. The noise belongs to the position, so speculative
+    decoding (speculate.py) picks the very token plain decoding would at every position it
+    verifies: seeded output does not change with speculation."""
+
+    def __init__(self, params: SamplingParams, seed: int):
+        self.filters = []
+        if params.top_k > 0:
+            self.filters.append(lambda x: apply_top_k(x, params.top_k))
+        if 0 < params.top_p < 1:
+            self.filters.append(lambda x: apply_top_p(x, params.top_p))
+        if params.min_p > 0:
+            self.filters.append(lambda x: apply_min_p(x, params.min_p))
+        base = params.seed if params.seed is not None else seed
+        self.keys = mx.random.split(mx.random.key(base & 0xFFFF_FFFF_FFFF_FFFF),
+                                    params.max_tokens)
+        self.last = params.max_tokens - 1
+        self.inv_temp = 1.0 / params.temperature
+        self.position = 0  # the generated position the next call samples
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        token = self.at(logprobs, [self.position])
+        self.position += 1
+        return token
+
+    def at(self, logprobs: mx.array, positions: list[int]) -> mx.array:
+        """The tokens at `positions` (one row of `logprobs` (m, vocab) each, or one (1, vocab)
+        row for one position), without moving on."""
+        for f in self.filters:
+            logprobs = f(logprobs)
+        noise = [mx.random.gumbel((1, logprobs.shape[-1]), key=self.keys[min(p, self.last)])
+                 for p in positions]
+        noise = noise[0] if len(noise) == 1 else mx.concatenate(noise)
+        return mx.argmax(logprobs * self.inv_temp + noise, axis=-1)
+
+
 def make_sampler(params: SamplingParams, seed: int):
     """A sampler for one request; `seed` is used when the request sets none."""
-    if params.greedy:
-        return greedy
-    filters = []
-    if params.top_k > 0:
-        filters.append(lambda x: apply_top_k(x, params.top_k))
-    if 0 < params.top_p < 1:
-        filters.append(lambda x: apply_top_p(x, params.top_p))
-    if params.min_p > 0:
-        filters.append(lambda x: apply_min_p(x, params.min_p))
-    base = params.seed if params.seed is not None else seed
-    keys = mx.random.split(mx.random.key(base & 0xFFFF_FFFF_FFFF_FFFF), params.max_tokens)
-    inv_temp = 1.0 / params.temperature
-    step = 0
-
-    def sample(logprobs: mx.array) -> mx.array:
-        nonlocal step
-        for f in filters:
-            logprobs = f(logprobs)
-        key = keys[min(step, params.max_tokens - 1)]
-        step += 1
-        return mx.random.categorical(logprobs * inv_temp, key=key)
-
-    return sample
+    return greedy if params.greedy else RowSampler(params, seed)
 
 
 class LogitAdjustments:

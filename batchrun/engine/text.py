@@ -58,6 +58,7 @@ class TextBackend:
         self._eos_stops = StopSequences([(t,) for t in self.eos])
         self._logprob_uids: set[int] = set()  # running rows whose steps carry logprobs
         self._gen: BatchGenerator | None = None
+        self._speculator = None  # speculate.Speculator: speculative decoding, narrow batches
         self.shares_prefix = False  # rows attend one shared copy of a cached prefix
         self._copies = False  # rows with cached blocks hold copies of them (no sharing)
         self._shared: OrderedDict[tuple[bytes, int], SharedPrefix] = OrderedDict()
@@ -89,6 +90,13 @@ class TextBackend:
         if LEAN_STEP:
             self._gen._generation_batch = LeanGenerationBatch.empty(
                 self.model, self._gen.sampler, self._logprob_uids)
+            self._gen._generation_batch.speculator = self._speculator
+        if self._speculator is not None and self._speculator.draft is not None:
+            self._speculator.draft.reset()  # a fresh batch numbers its rows afresh
+
+    def speculate(self, speculator) -> None:
+        """Decode narrow batches speculatively (speculate.py), from the next start()."""
+        self._speculator = speculator
 
     def detokenizer(self) -> Any:
         return self.tokenizer.detokenizer

@@ -1,0 +1,272 @@
+"""Speculative decoding in the continuous batch, where the batch is narrow.
+
+A decode step of a narrow batch reads all the model's weights for a few tokens; checking a few
+guessed tokens per row costs about the same. So while few rows run (the tail of a job, a job of
+few long rows), each speculating row proposes up to `k` tokens past its pending one:
+
+- `ngram`: the tokens that followed the latest earlier occurrence of the row's last 1-3 tokens
+  in its own prompt and output (prompt lookup: answers that copy spans of the prompt);
+- `draft`: a small model sharing the target's tokenizer, run ahead `k` tokens on its own batch
+  cache (`DraftModel`).
+
+One forward of the target over every row's pending token and proposals verifies them all
+(`LeanGenerationBatch._speculative_step`). A row keeps its proposals up to the first one the
+target would not have chosen, plus the target's own token there; the KV of the rest is dropped
+from its cache (`rollback`). The target's choice at each position is the one plain decoding
+makes: the greedy argmax, or for a sampled row the argmax under that position's own Gumbel
+noise (sampling.RowSampler), so greedy and seeded output are the same with and without
+speculation, and a sampled row keeps its distribution. A draft model proposes under the same
+noise, which is what makes its guesses of a sampled row's tokens good ones.
+
+Rows with logits processors (penalties, grammars, thinking budgets) or that report
+log-probabilities propose nothing; architectures whose caches cannot be cut back (sliding
+windows, recurrent state) do not speculate, and the log says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll, make_prompt_cache
+
+from batchrun.engine.request import SpeculationStats
+
+log = logging.getLogger("batchrun")
+
+METHODS = ("off", "ngram", "draft")
+DEFAULT_DRAFT_TOKENS = 4
+NGRAM_LONGEST = 3  # the longest suffix matched first, down to one token
+# Rows x (k + 1) tokens a verification forward may hold: below it a step's cost is mostly the
+# weights' read (or, on a CPU with a small model, the per-call overhead), so checking k guesses
+# costs about as much as decoding one token. Wider batches decode plainly.
+VERIFY_TOKENS = {"cpu": 64, "gpu": 256}
+# Whether a narrow batch speculates is measured: the seconds a row's token took in recent steps
+# of each kind at each batch width (widths pooled by powers of two; exponential averages, this
+# weight on the newest); the cheaper kind runs, and the other is tried again every PROBE_EVERY
+# steps.
+COST_WEIGHT = 0.3
+PROBE_EVERY = 32
+TRIMMABLE = (BatchKVCache,)
+
+
+def ngram_proposal(context: np.ndarray, k: int, longest: int = NGRAM_LONGEST) -> list[int]:
+    """Up to `k` tokens that followed the latest earlier occurrence of the context's last n
+    tokens (n from `longest` down to 1); none without one."""
+    size = len(context)
+    for n in range(min(longest, size - 1), 0, -1):
+        tail = context[size - n:]
+        # starts of earlier occurrences: every position whose n tokens equal the tail and that
+        # is followed by at least one token before the tail itself
+        hits = np.flatnonzero(context[: size - n] == tail[0])
+        for j in range(1, n):
+            hits = hits[context[hits + j] == tail[j]]
+        if hits.size:
+            start = int(hits[-1]) + n
+            return context[start: start + k].tolist()
+    return []
+
+
+def speculates(caches: list) -> bool:
+    """Whether every layer's batch cache can drop a row's last tokens."""
+    return all(isinstance(c, TRIMMABLE) for c in caches)
+
+
+def rollback(caches: list, drop: list[int]) -> None:
+    """Drop each row's last `drop[i]` tokens from every layer's batch cache: all rows cut back
+    by the least of them, then each row's KV moved right by the rest (its last tokens roll
+    past the end; its left padding grows by as much, as mlx-lm's right-padded prefill does)."""
+    least = min(drop)
+    extra = [d - least for d in drop]
+    shift = mx.array(extra)[:, None] if any(extra) else None
+    for c in caches:
+        if least:
+            c.trim(least)
+        if shift is not None:
+            c.keys = dynamic_roll(c.keys, shift, axis=2)
+            c.values = dynamic_roll(c.values, shift, axis=2)
+            c.offset = c.offset - shift[:, 0]
+            c.left_padding = c.left_padding + shift[:, 0]
+
+
+class DraftModel:
+    """A small model proposing tokens for the rows of a batch, on a batch cache of its own that
+    follows the batch's rows (by uid): rows that left are filtered out, rows that joined are
+    prefilled from the tokens in the target's cache, and rows that decoded without it (steps
+    that did not speculate) catch up on the tokens they missed."""
+
+    def __init__(self, model, prefill_step: int = 512):
+        self.model = model
+        self.prefill_step = prefill_step
+        self.caches: list[BatchKVCache] | None = None
+        self.uids: list[int] = []
+        self.seen: list[int] = []  # tokens each row's cache holds
+        self.prefilled = False  # the last sync prefilled rows
+        caches = make_prompt_cache(model)
+        self.usable = all(type(c) is KVCache for c in caches)
+        self._layers = len(caches)
+
+    def sync(self, uids: list[int], contexts: list[list[int]]) -> bool:
+        """Make the cache's rows the batch's `uids` (in order), each holding `contexts[i]`:
+        the tokens in the target's cache for row i. Whether rows were prefilled (a one-time
+        cost, not the speculating step's)."""
+        self.prefilled = False
+        if uids != self.uids:
+            now = set(uids)
+            keep = [i for i, u in enumerate(self.uids) if u in now]
+            if len(keep) < len(self.uids):
+                if keep:
+                    for c in self.caches:
+                        c.filter(keep)
+                else:
+                    self.caches = None
+                self.uids = [self.uids[i] for i in keep]
+                self.seen = [self.seen[i] for i in keep]
+            have = set(self.uids)
+            new = [i for i, u in enumerate(uids) if u not in have]
+            if self.uids + [uids[i] for i in new] != uids:  # an order this cache cannot follow
+                self.reset()
+                new = list(range(len(uids)))
+            if self.uids:
+                self._catch_up(contexts[: len(self.uids)])
+            if new:
+                caches = self._prefill([contexts[i] for i in new])
+                if self.caches is None:
+                    self.caches = caches
+                else:
+                    for mine, theirs in zip(self.caches, caches, strict=True):
+                        mine.extend(theirs)
+                self.uids = self.uids + [uids[i] for i in new]
+                self.seen = self.seen + [len(contexts[i]) for i in new]
+        else:
+            self._catch_up(contexts)
+        return self.prefilled
+
+    def _catch_up(self, contexts: list[list[int]]) -> None:
+        """Feed the rows the tokens their target cache gained without the draft (the same
+        number for every row: the steps that did not speculate); rebuilt otherwise."""
+        behind = {len(c) - n for c, n in zip(contexts, self.seen, strict=True)}
+        if behind == {0}:
+            return
+        if len(behind) == 1 and min(behind) > 0:
+            m = behind.pop()
+            tokens = mx.array([c[-m:] for c in contexts])
+            for start in range(0, m, self.prefill_step):
+                self.model(tokens[:, start: start + self.prefill_step], cache=self.caches)
+            self.seen = [len(c) for c in contexts]
+            return
+        uids = self.uids
+        self.reset()
+        self.caches = self._prefill(contexts)
+        self.uids, self.seen = list(uids), [len(c) for c in contexts]
+
+    def _prefill(self, contexts: list[list[int]]) -> list[BatchKVCache]:
+        self.prefilled = True
+        longest = max(map(len, contexts))
+        padding = [longest - len(c) for c in contexts]
+        tokens = mx.array([[0] * p + c for p, c in zip(padding, contexts, strict=True)])
+        caches = [BatchKVCache(padding) for _ in range(self._layers)]
+        for start in range(0, longest, self.prefill_step):
+            self.model(tokens[:, start: start + self.prefill_step], cache=caches)
+            mx.eval([c.state for c in caches])
+        return caches
+
+    def propose(self, pending: mx.array, k: int, pick) -> mx.array:
+        """(rows, k) proposals after each row's `pending` token: the draft's choice at each
+        position (`pick(logprobs, j)` for the j-th proposal), fed back in turn. The last one is
+        fed too, so the cache then holds the same tokens as the target's after verification."""
+        x, out = pending, []
+        for j in range(k + 1):
+            logits = self.model(x[:, None], cache=self.caches)[:, -1, :].astype(mx.float32)
+            if j == k:
+                break
+            x = pick(logits - mx.logsumexp(logits, axis=-1, keepdims=True), j)
+            out.append(x)
+        self.seen = [n + k + 1 for n in self.seen]
+        return mx.stack(out, axis=1)
+
+    def rollback(self, drop: list[int]) -> None:
+        rollback(self.caches, drop)
+        self.seen = [n - d for n, d in zip(self.seen, drop, strict=True)]
+
+    def reset(self) -> None:
+        self.caches, self.uids, self.seen = None, [], []
+
+
+class Speculator:
+    """What a batch needs to speculate: the method, the guesses a row, the batch width from
+    which it never does, and the measured cost of each kind of step at each narrower width."""
+
+    def __init__(self, method: str, k: int = DEFAULT_DRAFT_TOKENS, draft: DraftModel | None = None,
+                 verify_tokens: int | None = None):
+        if method not in METHODS or method == "off":
+            raise ValueError(f"unknown speculation method {method!r}")
+        if method == "draft" and draft is None:
+            raise ValueError("draft speculation needs a draft model")
+        self.method, self.k, self.draft = method, k, draft
+        if verify_tokens is None:
+            verify_tokens = VERIFY_TOKENS["cpu" if mx.default_device() == mx.cpu else "gpu"]
+        self.max_rows = max(1, verify_tokens // (k + 1))
+        self.stats = SpeculationStats()
+        self._cost: dict[tuple[bool, int], float] = {}  # (speculated, width) -> s a token
+        self._step: tuple[float, bool, int, int] | None = None  # the step before: start, kind
+        self._started = 0.0
+        self._since_probe = 0
+        self._refused = False
+
+    def wants(self, rows: int, caches: list, allowed: bool = True) -> bool:
+        """Whether the step starting now speculates: a narrow batch (`allowed`: no row's logits
+        are processed), caches that can be cut back, and speculating measured (or still to be
+        measured) cheaper a token than not. Called at the start of every step: the step before
+        is timed until now."""
+        now = time.perf_counter()
+        self._close_step(now)
+        self._started = now
+        if rows > self.max_rows or not allowed:
+            return False
+        if not speculates(caches):
+            if not self._refused:
+                self._refused = True
+                log.warning("this model's KV cache cannot drop tokens (a sliding window or "
+                            "recurrent state): no speculative decoding")
+            return False
+        width = _width(rows)
+        spec, plain = self._cost.get((True, width)), self._cost.get((False, width))
+        self._since_probe += 1
+        if spec is None or plain is None or self._since_probe >= PROBE_EVERY:
+            choice = spec is None or (plain is not None and spec > plain)
+            self._since_probe = 0
+        else:
+            choice = spec <= plain
+        return choice
+
+    def step(self, speculated: bool, rows: int, tokens: int, timed: bool = True) -> None:
+        """The step that started at the last `wants` made `tokens` tokens for `rows` rows
+        (not `timed`: it did one-time work besides, such as prefilling the draft's cache)."""
+        self._step = (self._started, speculated, rows, tokens) if timed else None
+
+    def _close_step(self, now: float) -> None:
+        if self._step is None:
+            return
+        start, speculated, rows, tokens = self._step
+        self._step = None
+        if rows > self.max_rows or not tokens:
+            return
+        cost = (now - start) / tokens
+        width = _width(rows)
+        old = self._cost.get((speculated, width))
+        self._cost[speculated, width] = cost if old is None else \
+            (1 - COST_WEIGHT) * old + COST_WEIGHT * cost
+
+    def record(self, proposed: int, accepted: int, rows: int) -> None:
+        self.stats.steps += 1
+        self.stats.row_steps += rows
+        self.stats.proposed += proposed
+        self.stats.accepted += accepted
+
+
+def _width(rows: int) -> int:
+    """Batch widths pooled for costs: 1, 2, 3-4, 5-8, 9-16..."""
+    return (rows - 1).bit_length()
