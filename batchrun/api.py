@@ -99,6 +99,11 @@ class RunOptions:
     cache_dir: Path | None = None
     no_prefix_cache: bool = False
     no_shared_prefix: bool = False
+    # Speculative decoding while few rows run: "off", "ngram" or "draft" (None: draft when
+    # draft_model is given, else off).
+    speculate: str | None = None
+    draft_model: str | None = None
+    draft_tokens: int = 4
     restart: bool = False
     quiet: bool = True
     ray_address: str | None = None
@@ -650,6 +655,9 @@ def _plan(input_path: Path, o: RunOptions):
         why = (f" (the model's generation_config.json sets {', '.join(given)}; a flag "
                "overrides it)") if given else ""
         raise UsageError(f"{e}{why}") from None
+    if o.speculate == "draft" and not o.draft_model:
+        raise UsageError("--speculate draft needs --draft-model (a small model made with the "
+                         "same tokenizer as the model)")
     try:
         config = EngineConfig(max_concurrency=o.max_concurrency,
                               prefill_batch_size=o.prefill_batch_size,
@@ -657,6 +665,9 @@ def _plan(input_path: Path, o: RunOptions):
                               memory_utilization=o.memory_utilization,
                               prefix_cache=not o.no_prefix_cache,
                               shared_prefix=not o.no_shared_prefix,
+                              speculate=o.speculate or ("draft" if o.draft_model else "off"),
+                              draft_model=str(o.draft_model) if o.draft_model else None,
+                              draft_tokens=o.draft_tokens,
                               cache_dir=str(o.cache_dir or default_cache_dir()))
     except ValueError as e:
         raise UsageError(str(e)) from None

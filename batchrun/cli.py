@@ -30,7 +30,7 @@ JOB_FILE_KEYS = ("input", "model", "output", "job_dir", "format", "max_concurren
                  "max_thinking_tokens", "served_model_name", "system",
                  "prompt_template", "id_column", "memory_utilization", "prefill_batch_size",
                  "prefill_step_size", "cache_dir", "no_prefix_cache", "no_shared_prefix",
-                 "json_schema", "choices",
+                 "speculate", "draft_model", "draft_tokens", "json_schema", "choices",
                  "regex", "n", "logprobs", "top_logprobs", "image_column", "media_root",
                  "allow_private_urls", "media_timeout", "vision", "ray_address",
                  "ray_actors", "ray_num_cpus", "ray_num_gpus", "ray_slice_rows")
@@ -190,6 +190,15 @@ def _show_warnings() -> None:
 @click.option("--no-shared-prefix", is_flag=True,
               help="each row holds its own copy of a cached prefix's KV (instead of all rows "
                    "attending one shared copy)")
+@click.option("--speculate", type=click.Choice(["off", "ngram", "draft"]), default=None,
+              help="speculative decoding while few rows run (the output does not change): "
+                   "ngram guesses from each row's own prompt (answers that copy it), draft "
+                   "from --draft-model [default: draft with --draft-model, else off]")
+@click.option("--draft-model", default=None,
+              help="a small model sharing the model's tokenizer, guessing tokens for "
+                   "--speculate draft")
+@click.option("--draft-tokens", type=click.IntRange(1, 16), default=4, show_default=True,
+              help="tokens a row guesses ahead each speculative step")
 @click.option("--restart", is_flag=True, help="discard earlier progress of this job")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @click.option("--debug", is_flag=True, help="show tracebacks")
@@ -432,7 +441,7 @@ def _prepare(job, debug: bool, dry_run: bool = False) -> None:
     """Load the job's model (or start its Ray runner) and say what runs where, and with which
     sampling defaults; bad options and models are one line."""
     from batchrun.api import MissingExtra, UsageError
-    from batchrun.models import ModelError
+    from batchrun.models import DraftModelError, ModelError
 
     try:
         job.prepare(dry_run=dry_run)
@@ -440,6 +449,11 @@ def _prepare(job, debug: bool, dry_run: bool = False) -> None:
         raise click.UsageError(str(e)) from None
     except MissingExtra as e:
         raise _fail(str(e)) from None
+    except DraftModelError as e:
+        if debug:
+            raise
+        raise _fail(str(e), "pass --draft-model a small mlx-lm model made with the same "
+                            "tokenizer as the model") from e
     except ModelError as e:
         if debug:
             raise
@@ -547,7 +561,8 @@ def _merge_job_file(ctx: click.Context, path: Path, opts: dict) -> dict:
             continue
         if key in JOB_FILE_PATHS:
             value = path.parent / _job_file_str(path, key, value)
-        elif key == "model" and (path.parent / _job_file_str(path, key, value)).exists():
+        elif key in ("model", "draft_model") and \
+                (path.parent / _job_file_str(path, key, value)).exists():
             value = str(path.parent / value)
         elif key == "stop" and isinstance(value, str):
             value = (value,)

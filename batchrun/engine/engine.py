@@ -107,16 +107,21 @@ class Engine(Requests, CacheControl):
 
         draft = None
         if method == "draft":
-            from batchrun.models import load_model
+            from batchrun.models import DraftModelError, load_model
 
-            loaded = load_model(self.config.draft_model)
+            name = self.config.draft_model
+            try:
+                loaded = load_model(name)
+            except Exception as e:
+                raise DraftModelError(f"the draft model {name} could not be loaded: {e}") \
+                    from e
             if not same_vocabulary(loaded.tokenizer, self.tokenizer):
-                raise ValueError(f"the draft model {self.config.draft_model} does not share "
-                                 "the model's tokenizer (its vocabulary differs)")
+                raise DraftModelError(f"the draft model {name} does not share the model's "
+                                      "tokenizer (its vocabulary differs)")
             draft = DraftModel(loaded.model, self.config.prefill_step_size)
             if not draft.usable:
-                raise ValueError(f"the draft model {self.config.draft_model}: its KV cache "
-                                 "cannot drop tokens (a sliding window or recurrent state)")
+                raise DraftModelError(f"the draft model {name}: its KV cache cannot drop "
+                                      "tokens (a sliding window or recurrent state)")
         speculator = Speculator(method, self.config.draft_tokens, draft)
         backend.speculate(speculator)
         return speculator

@@ -210,6 +210,7 @@ class Speculator:
             verify_tokens = VERIFY_TOKENS["cpu" if mx.default_device() == mx.cpu else "gpu"]
         self.max_rows = max(1, verify_tokens // (k + 1))
         self.stats = SpeculationStats()
+        self.adaptive = True  # False: every narrow batch speculates, measured or not (tests)
         self._cost: dict[tuple[bool, int], float] = {}  # (speculated, width) -> s a token
         self._step: tuple[float, bool, int, int] | None = None  # the step before: start, kind
         self._started = 0.0
@@ -232,6 +233,8 @@ class Speculator:
                 log.warning("this model's KV cache cannot drop tokens (a sliding window or "
                             "recurrent state): no speculative decoding")
             return False
+        if not self.adaptive:
+            return True
         width = _width(rows)
         spec, plain = self._cost.get((True, width)), self._cost.get((False, width))
         self._since_probe += 1

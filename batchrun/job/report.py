@@ -15,6 +15,9 @@ What the figures mean. The job (top level):
 - prefill_tokens_per_s, decode_tokens_per_s: the engine's rates while it prefilled prompts
   (cached tokens excluded) and while it only decoded; mean_batch_size: running sequences per
   decode step; TTFT quantiles: the runs' weighted by their rows (an approximation).
+- speculative_steps, speculative_proposed_tokens, speculative_accepted_tokens (also per run),
+  speculative_acceptance: speculative decoding's verifying steps, the tokens rows guessed in
+  them, the guesses kept (each one a token gained over a token a row a step) and their share.
 - labels, error_codes, token_lengths: read from the records (`record_figures`) when the final
   report is written (or by `batchrun report`); absent from the reports written mid-run.
 
@@ -55,7 +58,8 @@ log = logging.getLogger("batchrun")
 MAX_TIMELINE_POINTS = 1500
 SUM_FIELDS = ("wall_s", "rows_done", "rows_failed", "prompt_tokens", "cached_prompt_tokens",
               "completion_tokens", "prefill_time_s", "decode_time_s", "decode_tokens",
-              "decode_steps")
+              "decode_steps", "speculative_steps", "speculative_proposed_tokens",
+              "speculative_accepted_tokens")
 LOW_CONFIDENCE = 0.5  # a labeled row whose highest choice probability is below this is unsure
 ERROR_EXAMPLES = 5  # rows listed for each error code
 HISTOGRAM_BINS = 20  # at most, for token lengths
@@ -90,6 +94,11 @@ def run_entry(started: float, status: str, stats: EngineStats, rows_done: int, r
         "mean_batch_size": round(stats.mean_batch_size, 2),
         "ttft_p50_s": _round(stats.ttft_quantile(0.5)),
         "ttft_p95_s": _round(stats.ttft_quantile(0.95)),
+        # Speculative decoding (speculate.py): verifying steps, tokens the rows guessed, and of
+        # them the ones kept (each a token gained over one a row a step).
+        "speculative_steps": stats.speculation.steps,
+        "speculative_proposed_tokens": stats.speculation.proposed,
+        "speculative_accepted_tokens": stats.speculation.accepted,
         "timeline": _thin(stats.timeline),
     }
 
@@ -135,6 +144,12 @@ def build_report(manifest: dict, progress: Progress, rows_total: int, runs: list
         # Across starts: the starts' quantiles weighted by their rows (an approximation).
         "ttft_p50_s": _weighted(runs, "ttft_p50_s", rows),
         "ttft_p95_s": _weighted(runs, "ttft_p95_s", rows),
+        "speculative_steps": totals["speculative_steps"],
+        "speculative_proposed_tokens": totals["speculative_proposed_tokens"],
+        "speculative_accepted_tokens": totals["speculative_accepted_tokens"],
+        "speculative_acceptance": round(totals["speculative_accepted_tokens"]
+                                        / totals["speculative_proposed_tokens"], 4)
+        if totals["speculative_proposed_tokens"] else None,
         "model": manifest["model"]["name"],
         "model_path": manifest["model"]["path"],
         "device": device,
@@ -497,6 +512,12 @@ def summary_text(report: dict) -> str:
         f"{human_bytes(report['peak_memory_bytes'])}"
         + (f", TTFT p50 {human_seconds(ttft)}" if ttft is not None else ""),
     ]
+    if report.get("speculative_steps"):
+        proposed, kept = report["speculative_proposed_tokens"], report[
+            "speculative_accepted_tokens"]
+        lines.append(f"speculation: {kept:,} of {proposed:,} guessed tokens kept "
+                     f"({kept / max(proposed, 1):.0%}): {kept:,} tokens gained in "
+                     f"{report['speculative_steps']:,} steps")
     labels = report.get("labels")
     if labels and labels["rows"]:
         shares = ", ".join(f"{x['label']} {x['rows']:,} ({x['rows'] / labels['rows']:.0%})"
@@ -768,6 +789,9 @@ FIGURES = (
     ("decode_tokens_per_s", "decode tokens per second (engine)", human_rate),
     ("mean_batch_size", "mean batch size", lambda v: f"{v:.1f}"),
     ("max_concurrency", "largest batch allowed", _count),
+    ("speculative_accepted_tokens", "tokens gained by speculative decoding", _count),
+    ("speculative_acceptance", "share of guessed tokens kept",
+     lambda v: "-" if v is None else f"{v:.0%}"),
     ("peak_memory_bytes", "peak memory", human_bytes),
     ("ttft_p50_s", "time to first token, median", _maybe_seconds),
     ("ttft_p95_s", "time to first token, p95", _maybe_seconds),

@@ -60,6 +60,10 @@ class ModelError(ValueError):
     """The model cannot be loaded; the message says why and what to pass instead."""
 
 
+class DraftModelError(ModelError):
+    """The draft model (speculative decoding) cannot be loaded or cannot serve this model."""
+
+
 class MissingExtra(ModelError):
     """An optional dependency is not installed; the message says how to add it."""
 

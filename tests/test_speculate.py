@@ -1,0 +1,288 @@
+"""Speculative decoding where the batch is narrow: rows propose tokens (prompt lookup or a draft
+model), one forward verifies them, and each row keeps what the model would have chosen. Greedy
+and seeded output are the same tokens as plain decoding; rejected tokens leave no trace in a
+row's KV cache; the report counts what speculation proposed and kept."""
+
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import jsonl, run, write_rows
+from mlx_lm.models.cache import BatchKVCache
+
+from batchrun.cache import block_layout, make_prefix_cache
+from batchrun.engine import speculate
+from batchrun.engine.engine import Engine
+from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.engine.shared_prefix import SharedPrefix, SharedPrefixBatchCache
+from batchrun.engine.speculate import Speculator, ngram_proposal, rollback
+from batchrun.models import DEMO_DRAFT_MODEL, DEMO_MODEL, load_model
+
+QUESTIONS = ["Explain photosynthesis in two sentences.", "List three facts about vaccines.",
+             "Write a short poem about recursion.", "Give an analogy for black holes.",
+             "Summarize the water cycle for a ten year old.", "What is the weather in Oslo?",
+             "List three facts about the immune system.", "Explain binary search in two sentences."]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return load_model(str(DEMO_MODEL))
+
+
+def chats(questions=QUESTIONS):
+    return [[{"role": "user", "content": q}] for q in questions]
+
+
+def generate(lm, prompts, params, speculate="off", concurrency=8, k=4, prefix_cache=None,
+             adaptive=False):
+    config = EngineConfig(max_concurrency=concurrency, speculate=speculate, draft_tokens=k,
+                          draft_model=str(DEMO_DRAFT_MODEL) if speculate == "draft" else None)
+    engine = Engine(lm.model, lm.tokenizer, config, lm.context_length, prefix_cache=prefix_cache,
+                    model_fingerprint=lm.fingerprint)
+    if engine.speculator is not None:
+        engine.speculator.adaptive = adaptive
+    return engine.generate(prompts, params), engine
+
+
+def tokens(outs):
+    return [o.token_ids for o in outs]
+
+
+# -- proposals and rollback ---------------------------------------------------------------------
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match_longest_first():
+    context = np.array([5, 6, 7, 8, 1, 2, 6, 7, 9, 4, 3, 6, 7])
+    # "6 7" occurs twice before the end: the latest one (followed by 9 4 3) wins
+    assert ngram_proposal(context, 3) == [9, 4, 3]
+    assert ngram_proposal(context, 10) == [9, 4, 3, 6, 7]  # up to the context's end
+    # the last three tokens "3 6 7" occur nowhere earlier: "6 7" is used; "8 5" never occurs
+    assert ngram_proposal(np.array([1, 2, 3, 8, 5]), 4) == []
+    assert ngram_proposal(np.array([4, 2, 9, 2]), 2) == [9, 2]  # one token matched
+
+
+def filled_cache(rows: int, length: int, cls=BatchKVCache, **kw) -> tuple:
+    """A batch cache whose row r, position p holds the value 100 * r + p (keys and values)."""
+    cache = cls(**kw) if kw else cls([0] * rows)
+    data = mx.array([[100 * r + p for p in range(length)] for r in range(rows)], mx.float32)
+    kv = mx.broadcast_to(data[:, None, :, None], (rows, 2, length, 4))
+    cache.update_and_fetch(kv, kv)
+    return cache, data
+
+
+def row_values(cache, r: int) -> list[float]:
+    start = cache.left_padding[r].item()
+    return cache.keys[r, 0, start: cache._idx, 0].tolist()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_rollback_drops_each_rows_last_tokens_and_keeps_positions(shared):
+    if shared:
+        prefix = SharedPrefix([mx.zeros((1, 2, 5, 4))], [mx.zeros((1, 2, 5, 4))])
+        cache, _ = filled_cache(3, 6, SharedPrefixBatchCache, prefixes=[prefix, None, prefix],
+                                layer=0)
+    else:
+        cache, _ = filled_cache(3, 6)
+    offsets = cache.offset.tolist()
+    rollback([cache], [0, 2, 5])
+    assert row_values(cache, 0) == [0, 1, 2, 3, 4, 5]
+    assert row_values(cache, 1) == [100, 101, 102, 103]
+    assert row_values(cache, 2) == [200]
+    # RoPE positions of the next token follow each row's kept tokens
+    assert cache.offset.tolist() == [offsets[0], offsets[1] - 2, offsets[2] - 5]
+    # and the next token lands right after them
+    new = mx.full((3, 2, 1, 4), 7.0)
+    cache.update_and_fetch(new, new)
+    assert row_values(cache, 1) == [100, 101, 102, 103, 7]
+    assert row_values(cache, 2) == [200, 7]
+
+
+# -- same tokens as plain decoding --------------------------------------------------------------
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_draft_model_speculation_gives_the_same_greedy_tokens(pair, concurrency):
+    prompts = chats()
+    params = SamplingParams(max_tokens=48)
+    plain, _ = generate(pair, prompts, params, concurrency=concurrency)
+    spec, engine = generate(pair, prompts, params, "draft", concurrency=concurrency)
+    assert tokens(spec) == tokens(plain)
+    stats = engine.stats.speculation
+    # it did speculate, kept most guesses and turned some down (rollback exercised)
+    assert stats.steps > 0 and 0 < stats.accepted < stats.proposed
+    assert stats.accepted > stats.proposed / 2
+    assert engine.stats.completion_tokens == sum(len(o.token_ids) for o in plain)
+    assert engine.stats.mean_batch_size <= concurrency  # rows a step, not tokens
+
+
+def test_prompt_lookup_speculation_gives_the_same_greedy_tokens(demo):
+    # the random demo model loops: its own output repeats, which prompt lookup catches
+    prompts = [demo.tokenizer.encode(f"row {i}: " + "alpha beta gamma delta " * 3)
+               for i in range(6)]
+    params = SamplingParams(max_tokens=40)
+    plain, _ = generate(demo, prompts, params, concurrency=6)
+    spec, engine = generate(demo, prompts, params, "ngram", concurrency=6, k=5)
+    assert tokens(spec) == tokens(plain)
+    stats = engine.stats.speculation
+    assert stats.steps > 0 and 0 < stats.accepted < stats.proposed
+
+
+@pytest.mark.parametrize("speculate", ["draft", "ngram"])
+def test_seeded_sampling_gives_the_same_tokens_with_speculation(pair, speculate):
+    prompts = chats()
+    params = SamplingParams(max_tokens=40, temperature=0.9, top_p=0.95, seed=11)
+    plain, _ = generate(pair, prompts, params)
+    spec, engine = generate(pair, prompts, params, speculate)
+    assert tokens(spec) == tokens(plain)
+    assert engine.stats.speculation.steps > 0
+    if speculate == "draft":
+        assert engine.stats.speculation.accepted > 0
+
+
+def test_stops_and_limits_inside_kept_guesses_end_the_row_there(pair):
+    prompts = chats()
+    plain_params = [SamplingParams(max_tokens=5 + 3 * i) for i in range(len(prompts))]
+    # a stop token the answers use: a row stops at its first one, even mid-guess
+    stop = pair.tokenizer.encode(" the")[-1]
+    stopped = SamplingParams(max_tokens=60, stop_token_ids=(stop,))
+    for params in (plain_params, [stopped] * len(prompts)):
+        outs = {}
+        for method in ("off", "draft"):
+            config = EngineConfig(max_concurrency=8, speculate=method,
+                                  draft_model=str(DEMO_DRAFT_MODEL) if method == "draft"
+                                  else None)
+            engine = Engine(pair.model, pair.tokenizer, config, pair.context_length)
+            if engine.speculator:
+                engine.speculator.adaptive = False
+            for chat, p in zip(prompts, params, strict=True):
+                engine.add_request(messages=chat, params=p)
+            outs[method] = [(o.token_ids, o.finish_reason) for o in engine.run()]
+        assert outs["draft"] == outs["off"]
+    assert any(reason == "stop" for _, reason in outs["draft"])
+
+
+def test_rows_reporting_logprobs_keep_them_exact_beside_speculating_rows(pair):
+    prompts = chats()
+    plain = [SamplingParams(max_tokens=30)] * 4 + [SamplingParams(max_tokens=30, logprobs=True,
+                                                                  top_logprobs=2)] * 4
+    outs = {}
+    for method in ("off", "draft"):
+        config = EngineConfig(max_concurrency=8, speculate=method,
+                              draft_model=str(DEMO_DRAFT_MODEL) if method == "draft" else None)
+        engine = Engine(pair.model, pair.tokenizer, config, pair.context_length)
+        if engine.speculator:
+            engine.speculator.adaptive = False
+        for chat, p in zip(prompts, plain, strict=True):
+            engine.add_request(messages=chat, params=p)
+        outs[method] = engine.run()
+    assert engine.stats.speculation.accepted > 0
+    assert tokens(outs["draft"]) == tokens(outs["off"])
+    for a, b in zip(outs["draft"][4:], outs["off"][4:], strict=True):
+        assert len(a.logprobs) == len(a.token_ids)
+        assert np.allclose(a.logprobs, b.logprobs, atol=1e-4)
+        assert [[t for t, _ in top] for top in a.top_logprobs] == \
+            [[t for t, _ in top] for top in b.top_logprobs]
+
+
+def test_rows_sharing_a_cached_prefix_speculate_to_the_same_tokens(pair, tmp_path):
+    system = "You answer questions about science in plain words. " * 12
+    prompts = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+               for q in QUESTIONS]
+    params = SamplingParams(max_tokens=40)
+    plain, _ = generate(pair, prompts, params)
+    cache = make_prefix_cache(pair.fingerprint, 1 << 30, tmp_path / "c", block_size=32,
+                              layout=block_layout(pair.model))
+    spec, engine = generate(pair, prompts, params, "draft", prefix_cache=cache)
+    assert engine.scheduler.shares_prefix and engine.get_cache_stats()["hit_tokens"] > 0
+    assert tokens(spec) == tokens(plain)
+    assert engine.stats.speculation.accepted > 0
+
+
+def test_wide_batches_do_not_speculate(pair):
+    # 32 rows finishing together: the batch never narrows below the speculating width
+    _, engine = generate(pair, chats() * 4, SamplingParams(max_tokens=6), "draft",
+                         concurrency=32)
+    assert engine.speculator.max_rows < 32
+    assert engine.stats.speculation.steps == 0
+    assert engine.stats.mean_batch_size == pytest.approx(32, rel=0.2)
+
+
+@pytest.mark.parametrize("spec_cost, expect", [(0.5, True), (2.0, False)])
+def test_a_narrow_batch_speculates_only_while_it_measures_cheaper(monkeypatch, spec_cost,
+                                                                    expect):
+    """Steps timed by a fake clock: a plain step costs 1 s a token, a speculating one
+    `spec_cost`; the cheaper kind runs, the other is tried again every PROBE_EVERY steps."""
+    clock = [0.0]
+    monkeypatch.setattr(speculate.time, "perf_counter", lambda: clock[0])
+    spec = Speculator("ngram", k=4, verify_tokens=40)  # up to 8 rows
+    cache = [BatchKVCache([0, 0])]
+    choices = []
+    for _ in range(3 * speculate.PROBE_EVERY):
+        speculating = spec.wants(2, cache)
+        choices.append(speculating)
+        clock[0] += 4 * (spec_cost if speculating else 1.0)  # 4 tokens a step
+        spec.step(speculating, 2, 4)
+    settled = choices[4:]
+    others = sum(c != expect for c in settled)
+    assert 1 <= others <= len(settled) // speculate.PROBE_EVERY + 1  # probes only
+    assert not spec.wants(9, cache)  # wider than 8 rows: never
+
+
+# -- settings and errors ------------------------------------------------------------------------
+
+def test_bad_speculation_settings_name_the_field():
+    with pytest.raises(ValueError, match="speculate"):
+        EngineConfig(speculate="medusa")
+    with pytest.raises(ValueError, match="draft_model"):
+        EngineConfig(speculate="draft")
+    with pytest.raises(ValueError, match="draft_tokens"):
+        EngineConfig(speculate="ngram", draft_tokens=0)
+
+
+def test_a_draft_with_another_tokenizer_is_refused(pair, tmp_path):
+    other = tmp_path / "other-draft"
+    shutil.copytree(DEMO_DRAFT_MODEL, other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = [w for w in vocab if w.isalpha() and len(w) > 3][:2]
+    vocab[first], vocab[second] = vocab[second], vocab[first]  # two ids swapped
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ValueError, match="does not share the model's tokenizer"):
+        Engine(pair.model, pair.tokenizer,
+               EngineConfig(speculate="draft", draft_model=str(other)), pair.context_length)
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+def test_batchrun_run_with_a_draft_model_writes_the_same_results_and_reports_the_gain(
+        tmp_path, trained):
+    rows = write_rows(tmp_path / "rows.jsonl",
+                      [{"custom_id": f"q{i}", "prompt": q, "max_tokens": 48}
+                       for i, q in enumerate(QUESTIONS)])
+    run(rows, "--job-dir", tmp_path / "plain")
+    result = run(rows, "--job-dir", tmp_path / "spec", "--draft-model", DEMO_DRAFT_MODEL,
+                 "--draft-tokens", 6)
+    texts = {r["custom_id"]: r["text"] for r in jsonl(tmp_path / "plain" / "results.jsonl")}
+    assert {r["custom_id"]: r["text"] for r in jsonl(tmp_path / "spec" / "results.jsonl")} \
+        == texts
+    report = json.loads((tmp_path / "spec" / "report.json").read_text())
+    assert 0 < report["speculative_accepted_tokens"] <= report["speculative_proposed_tokens"]
+    assert report["speculative_acceptance"] > 0.5
+    assert report["runs"][-1]["speculative_steps"] == report["speculative_steps"] > 0
+    assert "tokens gained" in result.output
+    assert "speculative" in (tmp_path / "spec" / "report.html").read_text()
+    plain = json.loads((tmp_path / "plain" / "report.json").read_text())
+    assert plain["speculative_steps"] == 0 and plain["speculative_acceptance"] is None
+
+
+def test_speculation_flags_are_checked_in_one_line(tmp_path):
+    rows = write_rows(tmp_path / "rows.jsonl", [{"prompt": "hello"}])
+    result = run(rows, "--speculate", "draft", code=2)
+    assert "--speculate draft needs --draft-model" in result.output
+    result = run(rows, "--draft-model", tmp_path / "missing", code=1)
+    assert "the draft model" in result.output and "could not be loaded" in result.output
+    assert "Traceback" not in result.output
+    result = run(rows, "--draft-model", "sample_data/demo-vision-model", code=1)
+    assert "does not share the model's tokenizer" in result.output
+    result = run(rows, "--draft-tokens", 0, code=2)
+    assert "--draft-tokens" in result.output
