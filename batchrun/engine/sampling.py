@@ -18,11 +18,11 @@ def greedy(logprobs: mx.array) -> mx.array:
 
 
 class RowSampler:
-    """A sampled request's sampler: the token at its generated position n is
-    argmax(filtered log-probabilities / temperature + Gumbel noise of key n), which is what
-    mx.random.categorical draws with key n. The noise belongs to the position, so speculative
-    decoding (speculate.py) picks the very token plain decoding would at every position it
-    verifies: seeded output does not change with speculation."""
+    """A sampled request's sampler: the token at its generated position n is drawn by
+    mx.random.categorical with key n of the request's key sequence (a Gumbel-max draw: the
+    argmax of the filtered log-probabilities / temperature plus that key's noise). The draw
+    belongs to the position, so speculative decoding (speculate.py) picks the very token plain
+    decoding would at every position it verifies: seeded output does not change with it."""
 
     def __init__(self, params: SamplingParams, seed: int):
         self.filters = []
@@ -40,19 +40,23 @@ class RowSampler:
         self.position = 0  # the generated position the next call samples
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        token = self.at(logprobs, [self.position])
+        for f in self.filters:
+            logprobs = f(logprobs)
+        token = mx.random.categorical(logprobs * self.inv_temp,
+                                      key=self.keys[min(self.position, self.last)])
         self.position += 1
         return token
 
     def at(self, logprobs: mx.array, positions: list[int]) -> mx.array:
-        """The tokens at `positions` (one row of `logprobs` (m, vocab) each, or one (1, vocab)
-        row for one position), without moving on."""
+        """The tokens at `positions`, one row of `logprobs` (m, vocab) each, as __call__ would
+        draw them there (row by row: a draw depends on its array's shape), without moving
+        on."""
         for f in self.filters:
             logprobs = f(logprobs)
-        noise = [mx.random.gumbel((1, logprobs.shape[-1]), key=self.keys[min(p, self.last)])
-                 for p in positions]
-        noise = noise[0] if len(noise) == 1 else mx.concatenate(noise)
-        return mx.argmax(logprobs * self.inv_temp + noise, axis=-1)
+        scaled = logprobs * self.inv_temp
+        return mx.concatenate([
+            mx.random.categorical(scaled[j: j + 1], key=self.keys[min(p, self.last)])
+            for j, p in enumerate(positions)])
 
 
 def make_sampler(params: SamplingParams, seed: int):

@@ -1,0 +1,152 @@
+"""Issue 18's speculative-decoding benchmarks, on the trained demo pair (this CPU or a GPU):
+
+    python scripts/bench_speculate.py OUT_DIR [--reps 3] [--workloads few,extract,tail,full]
+
+Each workload runs its systems interleaved, `--reps` times, in one process (engine time from
+the first request to the last output; the model and draft loaded once, a warm-up first):
+- few: 8 sample questions (sample_data/prompts.jsonl), max_tokens 256 (the model ends its
+  answers itself); plain, then --draft-model with 4 and 6 guesses, then ngram;
+- extract: 16 rows whose answer copies a span of the prompt (a reference text holding the
+  facts the model answers from, then the question), max_tokens 128; plain, ngram, draft;
+- tail: 512 sample questions at the CPU's default concurrency; the tail is the time from the
+  461st finished row (90%) to the last; plain, then draft (speculating by measurement);
+- full: 256 rows of the random-weight demo model (the trained draft's tokenizer), 48 tokens
+  each, all finishing together: the batch is full to the end, so nothing speculates and the
+  figure is what the per-step decision costs; plain, draft.
+Greedy tokens are compared with plain decoding's on every run. Writes OUT_DIR/speculate.json
+and prints a table of median seconds and ratios.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import batchrun  # noqa: E402, F401  (BLAS routing before MLX)
+from batchrun.engine.engine import Engine  # noqa: E402
+from batchrun.engine.request import EngineConfig, SamplingParams  # noqa: E402
+from batchrun.models import (  # noqa: E402
+    DEMO_DRAFT_MODEL,
+    DEMO_MODEL,
+    RANDOM_DEMO_MODEL,
+    load_model,
+)
+from batchrun.models.lessons import FACTS  # noqa: E402
+
+
+def questions(n: int) -> list[list[dict]]:
+    rows = [json.loads(line) for line in (ROOT / "sample_data" / "prompts.jsonl").open()]
+    chats = [r["messages"] if "messages" in r else [{"role": "user", "content": r["prompt"]}]
+             for r in rows]
+    return [chats[i % len(chats)] for i in range(n)]
+
+
+def extraction(n: int) -> list[list[dict]]:
+    """A reference text holding the answer (the facts the model learned), then the task."""
+    topics = sorted(FACTS)
+    out = []
+    for i in range(n):
+        topic = topics[i % len(topics)]
+        task = "Explain {t} in two sentences." if i % 2 else "List three facts about {t}."
+        reference = " ".join(FACTS[topic][0])
+        out.append([{"role": "system", "content": f"Reference: {reference}"},
+                    {"role": "user", "content": task.format(t=topic)}])
+    return out
+
+
+SYSTEMS = {"plain": ("off", 4), "draft4": ("draft", 4), "draft6": ("draft", 6),
+           "ngram": ("ngram", 4), "draft": ("draft", 4)}
+WORKLOADS = {
+    # name: (target, rows, params, concurrency, systems)
+    "few": (DEMO_MODEL, lambda: questions(8), SamplingParams(max_tokens=256), 8,
+            ("plain", "draft4", "draft6", "ngram")),
+    "extract": (DEMO_MODEL, lambda: extraction(16), SamplingParams(max_tokens=128), 16,
+                ("plain", "ngram", "draft4")),
+    "tail": (DEMO_MODEL, lambda: questions(512), SamplingParams(max_tokens=256), None,
+             ("plain", "draft4")),
+    "full": (RANDOM_DEMO_MODEL, lambda: questions(256), SamplingParams(max_tokens=48), 256,
+             ("plain", "draft4")),
+}
+
+
+def run_once(lm, chats, params, concurrency, system) -> dict:
+    method, k = SYSTEMS[system]
+    config = EngineConfig(max_concurrency=concurrency, speculate=method, draft_tokens=k,
+                          draft_model=str(DEMO_DRAFT_MODEL) if method == "draft" else None,
+                          prefix_cache=False)
+    engine = Engine(lm.model, lm.tokenizer, config, lm.context_length)
+    ids = [engine.add_request(messages=c, params=params) for c in chats]
+    finished = {}
+    start = time.perf_counter()
+    while engine.has_work():
+        for out in engine.step():
+            finished[out.request_id] = (time.perf_counter() - start, out.token_ids)
+    wall = time.perf_counter() - start
+    times = sorted(t for t, _ in finished.values())
+    s = engine.stats.speculation
+    return {"system": system, "wall_s": wall,
+            "tail_s": wall - times[int(0.9 * len(times))],
+            "tokens": sum(len(t) for _, t in finished.values()),
+            "mean_batch": engine.stats.mean_batch_size,
+            "speculative_steps": s.steps, "proposed": s.proposed, "accepted": s.accepted,
+            "outputs": [finished[i][1] for i in ids]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--workloads", default="few,extract,tail,full")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for name in args.workloads.split(","):
+        target, rows, params, concurrency, systems = WORKLOADS[name]
+        lm = load_model(str(target))
+        chats = rows()
+        run_once(lm, chats[:4], SamplingParams(max_tokens=8), concurrency, "draft4")  # warm-up
+        runs = []
+        for rep in range(args.reps):
+            for system in systems:
+                r = run_once(lm, chats, params, concurrency, system)
+                r["rep"] = rep
+                runs.append(r)
+                print(f"{name:8} {system:7} rep {rep}: {r['wall_s']:.3f} s, tail "
+                      f"{r['tail_s']:.3f} s, {r['tokens']} tokens, kept {r['accepted']} of "
+                      f"{r['proposed']}", flush=True)
+        reference = next(r["outputs"] for r in runs if r["system"] == "plain")
+        for r in runs:
+            r["same_tokens"] = r.pop("outputs") == reference
+        results[name] = runs
+    summary = []
+    for name, runs in results.items():
+        base = statistics.median(r["wall_s"] for r in runs if r["system"] == "plain")
+        base_tail = statistics.median(r["tail_s"] for r in runs if r["system"] == "plain")
+        for system in dict.fromkeys(r["system"] for r in runs):
+            mine = [r for r in runs if r["system"] == system]
+            wall = statistics.median(r["wall_s"] for r in mine)
+            tail = statistics.median(r["tail_s"] for r in mine)
+            summary.append({"workload": name, "system": system, "median_wall_s": wall,
+                            "speedup": base / wall, "median_tail_s": tail,
+                            "tail_speedup": base_tail / tail if tail else None,
+                            "acceptance": sum(r["accepted"] for r in mine)
+                            / max(1, sum(r["proposed"] for r in mine)),
+                            "same_tokens": all(r["same_tokens"] for r in mine)})
+    (args.out / "speculate.json").write_text(json.dumps(
+        {"date": time.strftime("%Y-%m-%d"), "reps": args.reps, "summary": summary,
+         "runs": results}, indent=2))
+    print(f"{'workload':9}{'system':8}{'wall s':>8}{'speedup':>9}{'tail s':>8}{'tail x':>8}"
+          f"{'kept':>7}  same tokens")
+    for s in summary:
+        print(f"{s['workload']:9}{s['system']:8}{s['median_wall_s']:8.3f}{s['speedup']:8.2f}x"
+              f"{s['median_tail_s']:8.3f}{(s['tail_speedup'] or 0):7.2f}x{s['acceptance']:7.0%}"
+              f"  {s['same_tokens']}")
+
+
+if __name__ == "__main__":
+    main()
