@@ -59,7 +59,9 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match_longest_first():
     assert ngram_proposal(context, 10) == [9, 4, 3, 6, 7]  # up to the context's end
     # the last three tokens "3 6 7" occur nowhere earlier: "6 7" is used; "8 5" never occurs
     assert ngram_proposal(np.array([1, 2, 3, 8, 5]), 4) == []
-    assert ngram_proposal(np.array([4, 2, 9, 2]), 2) == [9, 2]  # one token matched
+    # one matching token guesses only when asked to
+    assert ngram_proposal(np.array([4, 2, 9, 2]), 2) == []
+    assert ngram_proposal(np.array([4, 2, 9, 2]), 2, shortest=1) == [9, 2]
 
 
 def filled_cache(rows: int, length: int, cls=BatchKVCache, **kw) -> tuple:
@@ -222,6 +224,7 @@ def test_a_narrow_batch_speculates_only_while_it_measures_cheaper(monkeypatch, s
         choices.append(speculating)
         clock[0] += 4 * (spec_cost if speculating else 1.0)  # 4 tokens a step
         spec.step(speculating, 2, 4)
+    assert choices[0] is False  # plain steps first: the yardstick
     settled = choices[4:]
     others = sum(c != expect for c in settled)
     assert 1 <= others <= len(settled) // speculate.PROBE_EVERY + 1  # probes only

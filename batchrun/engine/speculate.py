@@ -4,7 +4,7 @@ A decode step of a narrow batch reads all the model's weights for a few tokens; 
 guessed tokens per row costs about the same. So while few rows run (the tail of a job, a job of
 few long rows), each speculating row proposes up to `k` tokens past its pending one:
 
-- `ngram`: the tokens that followed the latest earlier occurrence of the row's last 1-3 tokens
+- `ngram`: the tokens that followed the latest earlier occurrence of the row's last 2-3 tokens
   in its own prompt and output (prompt lookup: answers that copy spans of the prompt);
 - `draft`: a small model sharing the target's tokenizer, run ahead `k` tokens on its own batch
   cache (`DraftModel`).
@@ -49,14 +49,17 @@ VERIFY_TOKENS = {"cpu": 64, "gpu": 256}
 # steps.
 COST_WEIGHT = 0.3
 PROBE_EVERY = 32
+MARGIN = 0.05  # speculating must measure this much cheaper a token to go on
+NGRAM_SHORTEST = 2  # a single matching token guesses too often to pay
 TRIMMABLE = (BatchKVCache,)
 
 
-def ngram_proposal(context: np.ndarray, k: int, longest: int = NGRAM_LONGEST) -> list[int]:
+def ngram_proposal(context: np.ndarray, k: int, longest: int = NGRAM_LONGEST,
+                   shortest: int = NGRAM_SHORTEST) -> list[int]:
     """Up to `k` tokens that followed the latest earlier occurrence of the context's last n
-    tokens (n from `longest` down to 1); none without one."""
+    tokens (n from `longest` down to `shortest`); none without one."""
     size = len(context)
-    for n in range(min(longest, size - 1), 0, -1):
+    for n in range(min(longest, size - 1), shortest - 1, -1):
         tail = context[size - n:]
         # starts of earlier occurrences: every position whose n tokens equal the tail and that
         # is followed by at least one token before the tail itself
@@ -237,13 +240,14 @@ class Speculator:
             return True
         width = _width(rows)
         spec, plain = self._cost.get((True, width)), self._cost.get((False, width))
+        if plain is None:  # plain steps first: they are the yardstick
+            return False
         self._since_probe += 1
-        if spec is None or plain is None or self._since_probe >= PROBE_EVERY:
-            choice = spec is None or (plain is not None and spec > plain)
+        cheaper = spec is not None and spec < plain * (1 - MARGIN)
+        if spec is None or self._since_probe >= PROBE_EVERY:
             self._since_probe = 0
-        else:
-            choice = spec <= plain
-        return choice
+            return not cheaper  # try the kind not running
+        return cheaper
 
     def step(self, speculated: bool, rows: int, tokens: int, timed: bool = True) -> None:
         """The step that started at the last `wants` made `tokens` tokens for `rows` rows
