@@ -93,6 +93,7 @@ class RunOptions:
     system: str | None = None
     prompt_template: str | None = None
     id_column: str | None = None
+    expected_column: str | None = None  # each row's right answer: records and report accuracy
     memory_utilization: float = 0.85
     prefill_batch_size: int | None = None  # None: rows are bounded by tokens (the device's)
     prefill_step_size: int = 2048
@@ -685,7 +686,8 @@ def _plan(input_path: Path, o: RunOptions):
                       media_roots=tuple(Path(root).absolute() for root in roots),
                       allow_private_urls=bool(o.allow_private_urls),
                       media_timeout=float(o.media_timeout),
-                      served_model_names=served_names(o.served_model_name))
+                      served_model_names=served_names(o.served_model_name),
+                      expected_column=o.expected_column)
     if from_stdin:  # relative image paths in rows from stdin start at the current folder
         rows.base_dir = Path.cwd()
     spec = JobSpec(input_path, job_dir, output, o.model, rows, restart=o.restart, quiet=o.quiet)

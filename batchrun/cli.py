@@ -28,7 +28,8 @@ from batchrun.paths import default_cache_dir
 JOB_FILE_KEYS = ("input", "model", "output", "job_dir", "format", "max_concurrency",
                  "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                  "max_thinking_tokens", "served_model_name", "system",
-                 "prompt_template", "id_column", "memory_utilization", "prefill_batch_size",
+                 "prompt_template", "id_column", "expected_column", "memory_utilization",
+                 "prefill_batch_size",
                  "prefill_step_size", "cache_dir", "no_prefix_cache", "no_shared_prefix",
                  "speculate", "draft_model", "draft_tokens", "json_schema", "choices",
                  "regex", "n", "logprobs", "top_logprobs", "image_column", "media_root",
@@ -176,6 +177,9 @@ def _show_warnings() -> None:
 @click.option("--prompt-template", default=None,
               help='build a user message from row columns: "Classify: {review}"')
 @click.option("--id-column", default=None, help="column that holds the row id")
+@click.option("--expected-column", default=None,
+              help="column that holds each row's right answer: copied into its record as "
+                   "`expected`; the report gives the share of labels that agree with it")
 @click.option("--memory-utilization", type=click.FloatRange(0, 1, min_open=True), default=0.85,
               show_default=True, help="fraction of device memory for weights + KV caches")
 @click.option("--prefill-batch-size", type=click.IntRange(min=1), default=None,

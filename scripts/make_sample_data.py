@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 
 from batchrun.models.build import question, review
-from batchrun.models.lessons import WEATHER_TOOL
+from batchrun.models.lessons import WEATHER_TOOL, sentiment
 
 OUT = Path(__file__).resolve().parents[1] / "sample_data"
 
@@ -38,7 +38,8 @@ def reviews(rng: random.Random, n: int = 200) -> list[dict]:
     out = []
     for i in range(n):
         product, text, rating = review(rng)
-        out.append({"id": f"rev-{i:04d}", "product": product, "review": text, "rating": rating})
+        out.append({"id": f"rev-{i:04d}", "product": product, "review": text, "rating": rating,
+                    "sentiment": sentiment(rating)})
     return out
 
 
@@ -57,6 +58,7 @@ def write_reviews_parquet(path: Path, rows: list[dict]) -> None:
         "product": [r["product"] for r in rows],
         "review": [r["review"] for r in rows],
         "rating": pa.array([r["rating"] for r in rows], pa.int8()),
+        "sentiment": [r["sentiment"] for r in rows],
         "verified": [rng.random() < 0.8 for _ in rows],
         "price": [round(rng.uniform(5, 300), 2) for _ in rows],
         "tags": [rng.sample(["gift", "sale", "return", "repeat"], rng.randint(0, 2))

@@ -237,6 +237,28 @@ def test_the_label_distribution_of_a_choices_job(labeled_job):
     assert "Labels" in page and "40.0%" in page and "2 of them (40.0%) unsure" in page
 
 
+def test_labels_are_counted_against_the_expected_answers(tmp_path):
+    def scored(index, text, expected):
+        record = orjson.loads(result(index, text, {"pos": 0.6, "neg": 0.4}))
+        if expected is not None:
+            record["expected"] = expected
+        return orjson.dumps(record) + b"\n"
+
+    # rows 0-2 carry a right answer (two agree), row 3 none, and a row finished past the
+    # frontier (spilled) agrees; the row error counts in neither
+    results = [scored(0, "pos", "pos"), scored(1, "neg", "pos"), scored(2, "neg", "neg"),
+               scored(3, "pos", None), scored(4, "pos", "pos")]
+    job, report = fake_job(tmp_path, results[:4], [error(4, "missing_prompt")],
+                           [spilled(5, results[4])], next_index=5)
+    rp.write_report(job, report, html_too=True)
+    labels = orjson.loads((job / "report.json").read_bytes())["labels"]
+    assert (labels["expected_rows"], labels["agreeing_rows"]) == (4, 3)
+    assert labels["accuracy"] == 0.75
+    assert "3 of 4 labels are the expected answer (75.0%)" in rp.summary_text(
+        orjson.loads((job / "report.json").read_bytes()))
+    assert "accuracy 75.0%" in (job / "report.html").read_text()
+
+
 def test_the_token_length_histograms(labeled_job):
     job, report = labeled_job
     rp.write_report(job, report, html_too=True)

@@ -89,6 +89,14 @@ def test_the_trained_demo_labels_the_sample_reviews_and_calls_the_sample_tool(
     commonest = max(list(map(lessons.sentiment, ratings.values())).count(s)
                     for s in ("positive", "negative", "neutral"))
     assert len(labels) == 200 and agree >= 190 and commonest <= 80  # far above the baseline
+    # the job file names the right answers' column: the report says how many labels agree
+    expected = {r["custom_id"]: r["expected"] for r in map(orjson.loads,
+                                                           out.read_bytes().splitlines())}
+    assert expected == {i: lessons.sentiment(rating) for i, rating in ratings.items()}
+    report = orjson.loads((tmp_path / "job" / "report.json").read_bytes())["labels"]
+    assert (report["expected_rows"], report["agreeing_rows"]) == (200, agree)
+    assert report["accuracy"] == round(agree / 200, 4)
+    assert f"{agree} of 200 labels are the expected answer" in result.output
 
     rows = tmp_path / "weather.jsonl"
     rows.write_bytes(orjson.dumps({"messages": [{"role": "user", "content":

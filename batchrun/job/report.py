@@ -20,6 +20,8 @@ What the figures mean. The job (top level):
   them, the guesses kept (each one a token gained over a token a row a step) and their share.
 - labels, error_codes, token_lengths: read from the records (`record_figures`) when the final
   report is written (or by `batchrun report`); absent from the reports written mid-run.
+  labels.accuracy: with --expected-column, the share of results with an `expected` answer
+  whose label is that answer (expected_rows, agreeing_rows).
 
 A run (one start of the job, in `runs`):
 - rows_done, rows_failed: the rows this run committed; prompt_tokens, cached_prompt_tokens,
@@ -326,6 +328,8 @@ class RecordTally:
     label_low: Counter = field(default_factory=Counter)  # rows with the label, unsure
     prob_sums: Counter = field(default_factory=Counter)  # label -> sum of its choice prob
     scored_rows: int = 0  # rows with choice probabilities
+    expected_rows: int = 0  # results with an `expected` answer (--expected-column)
+    agreeing_rows: int = 0  # of them, those whose label is that answer
     unlabeled_rows: int = 0  # results of a labeling job whose answer is no label
     codes: dict = field(default_factory=dict)  # code -> [rows, examples sorted by index]
     prompt_lengths: Counter = field(default_factory=Counter)
@@ -348,6 +352,10 @@ class RecordTally:
         self.prompt_lengths[int(usage.get("prompt_tokens") or 0)] += 1
         self.completion_lengths[int(usage.get("completion_tokens") or 0)] += 1
         label = self._label_of(text, probs)
+        expected = record.get("expected")
+        if isinstance(expected, str):
+            self.expected_rows += 1
+            self.agreeing_rows += label is not None and label.strip() == expected.strip()
         if label is None:
             if self.labels is not None:
                 self.unlabeled_rows += 1
@@ -401,6 +409,11 @@ class RecordTally:
         scored = self.scored_rows
         return {
             "rows": sum(self.label_rows.values()),
+            # --expected-column: results with a right answer, and those whose label is it
+            "expected_rows": self.expected_rows,
+            "agreeing_rows": self.agreeing_rows,
+            "accuracy": round(self.agreeing_rows / self.expected_rows, 4)
+            if self.expected_rows else None,
             "unlabeled_rows": self.unlabeled_rows,
             "scored_rows": scored,
             "low_confidence_below": LOW_CONFIDENCE,
@@ -526,6 +539,10 @@ def summary_text(report: dict) -> str:
         lines.append(f"labels:     {shares}" + (f", {more:,} more" if more > 0 else "")
                      + (f"; {labels['low_confidence_rows']:,} unsure (top choice under "
                         f"{labels['low_confidence_below']:.0%})" if labels["scored_rows"] else ""))
+        if labels.get("expected_rows"):
+            lines.append(f"accuracy:   {labels['agreeing_rows']:,} of "
+                         f"{labels['expected_rows']:,} labels are the expected answer "
+                         f"({labels['accuracy']:.1%})")
     if report.get("error_codes"):
         lines.append("row errors: " + ", ".join(f"{e['code']} {e['rows']:,}"
                                                 for e in report["error_codes"]))
@@ -695,6 +712,9 @@ def _labels_section(labels: dict | None) -> str:
         notes.append(f"{low:,} of them ({low / scored:.1%}) unsure" if low else "none unsure")
     if labels["unlabeled_rows"]:
         notes.append(f"{labels['unlabeled_rows']:,} results that are no label")
+    if labels.get("expected_rows"):
+        notes.append(f"accuracy {labels['accuracy']:.1%}: {labels['agreeing_rows']:,} of "
+                     f"{labels['expected_rows']:,} labels are the expected answer")
     legend = (f"<p class=\"note\">mean prob: the label's choice probability averaged over the "
               f"{scored:,} scored rows; unsure: rows of the label whose most likely choice has "
               f"less than {threshold}.</p>" if scored else "")

@@ -68,6 +68,9 @@ class RowOptions:
     media_timeout: float = 30.0  # io.media.MEDIA_TIMEOUT
     # --served-model-name: the names an OpenAI row's body.model may give (empty: any).
     served_model_names: tuple[str, ...] = ()
+    # --expected-column: the column holding each row's right answer; its value goes into the
+    # row's record as `expected`, and the report counts the labels that agree with it.
+    expected_column: str | None = None
 
 
 @dataclass(slots=True)
@@ -86,6 +89,7 @@ class Task:
     # A digest of the prompt's tokens and images (JobRunner._build_task, in a feeder thread):
     # identical requests are found by it without hashing the whole prompt in the job loop.
     prompt_digest: bytes = b""
+    expected: str | None = None  # the row's --expected-column value
 
     def sample_params(self) -> list[SamplingParams]:
         """One SamplingParams per sample: sample 0 is the row's own, the others get distinct
@@ -220,7 +224,16 @@ def _build(value: Any, index: int, line: int, custom_id: str, prompts: PromptBui
     ids, vision = _prompt_ids(body, openai, prompts, options, value)
     tools = body.get("tools") if body.get("tool_choice") != "none" else None
     return Task(index, line, custom_id, ids, params, openai, model, n, vision,
-                tools if isinstance(tools, list) and tools else None, chat=not raw_prompt)
+                tools if isinstance(tools, list) and tools else None, chat=not raw_prompt,
+                expected=expected_value(value, options.expected_column))
+
+
+def expected_value(row: dict, column: str | None) -> str | None:
+    """The row's right answer from --expected-column, as text (none where it holds none)."""
+    value = row.get(column) if column else None
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value) if isinstance(value, str | int | float) else None
 
 
 def _is_raw_prompt(body: dict, openai: str | None) -> bool:
