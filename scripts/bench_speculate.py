@@ -4,8 +4,9 @@
 
 Each workload runs its systems interleaved, `--reps` times, in one process (engine time from
 the first request to the last output; the model and draft loaded once, a warm-up first):
-- few: 8 sample questions (sample_data/prompts.jsonl), max_tokens 256 (the model ends its
-  answers itself); plain, then --draft-model with 4 and 6 guesses, then ngram;
+- few: 8 sample questions (sample_data/prompts.jsonl, not its weather-tool rows), greedy,
+  max_tokens 256 (the model ends its answers itself); plain, then --draft-model with 4 and 6
+  guesses, then ngram; few_sampled: the same rows sampled (temperature 0.7, seeded);
 - extract: 16 rows whose answer copies a span of the prompt (a reference text holding the
   facts the model answers from, then the question), max_tokens 128; plain, ngram, draft;
 - tail: 512 sample questions at the CPU's default concurrency; the tail is the time from the
@@ -39,10 +40,11 @@ from batchrun.models import (  # noqa: E402
 from batchrun.models.lessons import FACTS  # noqa: E402
 
 
-def questions(n: int) -> list[list[dict]]:
+def questions(n: int, tools: bool = True) -> list[list[dict]]:
+    """Chats of the sample prompts, cycled to n; without `tools`, not the weather-tool rows."""
     rows = [json.loads(line) for line in (ROOT / "sample_data" / "prompts.jsonl").open()]
     chats = [r["messages"] if "messages" in r else [{"role": "user", "content": r["prompt"]}]
-             for r in rows]
+             for r in rows if tools or "tools" not in r]
     return [chats[i % len(chats)] for i in range(n)]
 
 
@@ -63,8 +65,11 @@ SYSTEMS = {"plain": ("off", 4), "draft4": ("draft", 4), "draft6": ("draft", 6),
            "ngram": ("ngram", 4), "draft": ("draft", 4)}
 WORKLOADS = {
     # name: (target, rows, params, concurrency, systems)
-    "few": (DEMO_MODEL, lambda: questions(8), SamplingParams(max_tokens=256), 8,
+    "few": (DEMO_MODEL, lambda: questions(8, tools=False), SamplingParams(max_tokens=256), 8,
             ("plain", "draft4", "draft6", "ngram")),
+    "few_sampled": (DEMO_MODEL, lambda: questions(8, tools=False),
+                    SamplingParams(max_tokens=256, temperature=0.7, seed=5), 8,
+                    ("plain", "draft4", "draft6")),
     "extract": (DEMO_MODEL, lambda: extraction(16), SamplingParams(max_tokens=128), 16,
                 ("plain", "ngram", "draft4")),
     "tail": (DEMO_MODEL, lambda: questions(512), SamplingParams(max_tokens=256), None,
@@ -101,7 +106,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--workloads", default="few,extract,tail,full")
+    parser.add_argument("--workloads", default="few,few_sampled,extract,tail,full")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}

@@ -240,14 +240,26 @@ class Speculator:
             return True
         width = _width(rows)
         spec, plain = self._cost.get((True, width)), self._cost.get((False, width))
-        if plain is None:  # plain steps first: they are the yardstick
-            return False
+        if spec is None and plain is None:  # a width not measured yet
+            return self._inherited(width)
+        if spec is None:  # plain steps measured: now the other kind
+            return True
+        cheaper = plain is None or spec < plain * (1 - MARGIN)
         self._since_probe += 1
-        cheaper = spec is not None and spec < plain * (1 - MARGIN)
-        if spec is None or self._since_probe >= PROBE_EVERY:
+        if self._since_probe >= PROBE_EVERY:
             self._since_probe = 0
             return not cheaper  # try the kind not running
         return cheaper
+
+    def _inherited(self, width: int) -> bool:
+        """For a width not measured yet, what the nearest wider width measured (a narrower
+        batch gains more from speculating, not less); plain steps first (the yardstick) when
+        none has been."""
+        for w in sorted({w for _, w in self._cost if w > width}):
+            spec, plain = self._cost.get((True, w)), self._cost.get((False, w))
+            if spec is not None and plain is not None:
+                return spec < plain * (1 - MARGIN)
+        return False
 
     def step(self, speculated: bool, rows: int, tokens: int, timed: bool = True) -> None:
         """The step that started at the last `wants` made `tokens` tokens for `rows` rows
