@@ -316,6 +316,14 @@ class Job:
             return
         self.check()
         if self.runner is None:
+            if self.config.speculate == "draft":  # said here, not by every Ray worker
+                from batchrun.models import DraftModelError, ModelError, check_local, resolve
+
+                try:
+                    check_local(resolve(self.config.draft_model))
+                except ModelError as e:
+                    raise DraftModelError(f"the draft model {self.config.draft_model} could "
+                                          f"not be loaded: {e}") from None
             try:
                 self.runner = (_ray_runner if self.options.ray_address else _local_runner)(self)
             except Exception:  # a bad model: Ctrl-C keeps the spool (the hint names it)
@@ -656,6 +664,8 @@ def _plan(input_path: Path, o: RunOptions):
         why = (f" (the model's generation_config.json sets {', '.join(given)}; a flag "
                "overrides it)") if given else ""
         raise UsageError(f"{e}{why}") from None
+    if o.draft_model and o.speculate in ("off", "ngram"):
+        log.warning("--draft-model %s is not used: --speculate is %s", o.draft_model, o.speculate)
     if o.speculate == "draft" and not o.draft_model:
         raise UsageError("--speculate draft needs --draft-model (a small model made with the "
                          "same tokenizer as the model)")

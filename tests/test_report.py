@@ -251,12 +251,24 @@ def test_labels_are_counted_against_the_expected_answers(tmp_path):
     job, report = fake_job(tmp_path, results[:4], [error(4, "missing_prompt")],
                            [spilled(5, results[4])], next_index=5)
     rp.write_report(job, report, html_too=True)
-    labels = orjson.loads((job / "report.json").read_bytes())["labels"]
-    assert (labels["expected_rows"], labels["agreeing_rows"]) == (4, 3)
-    assert labels["accuracy"] == 0.75
-    assert "3 of 4 labels are the expected answer (75.0%)" in rp.summary_text(
+    expected = orjson.loads((job / "report.json").read_bytes())["expected"]
+    assert (expected["rows"], expected["agreeing_rows"], expected["accuracy"]) == (4, 3, 0.75)
+    assert "3 of 4 results are the expected answer: 75.0%" in rp.summary_text(
         orjson.loads((job / "report.json").read_bytes()))
-    assert "accuracy 75.0%" in (job / "report.html").read_text()
+    assert "3 of 4 results are the expected answer" in (job / "report.html").read_text()
+
+
+def test_free_text_answers_are_counted_against_the_expected_answers_too():
+    tally = rp.RecordTally(expected_column="answer")
+    for text, expected in [("Paris", "Paris"), (" Paris\n", "Paris"), ("Lyon", "Paris"),
+                           ("42", "42")]:
+        tally.add(orjson.dumps({"text": text, "expected": expected,
+                                "usage": {"prompt_tokens": 3, "completion_tokens": 1}}), False)
+    assert tally.figures()["expected"] == {"column": "answer", "rows": 4, "agreeing_rows": 3,
+                                           "accuracy": 0.75}
+    # a job that names a column no row has says so
+    empty = rp.RecordTally(expected_column="anwser").figures()["expected"]
+    assert "no result has an expected answer (anwser)" in rp.accuracy_line(empty)
 
 
 def test_the_token_length_histograms(labeled_job):

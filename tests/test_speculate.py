@@ -291,3 +291,21 @@ def test_speculation_flags_are_checked_in_one_line(tmp_path):
     assert "does not share the model's tokenizer" in result.output
     result = run(rows, "--draft-tokens", 0, code=2)
     assert "--draft-tokens" in result.output
+
+
+def test_a_batch_where_no_row_may_guess_decodes_plainly(pair):
+    """Rows reporting log-probabilities guess nothing: a batch of only them never runs a
+    verification step (it would gain nothing and shift their log-probabilities' last bits)."""
+    params = SamplingParams(max_tokens=20, logprobs=True, top_logprobs=2)
+    plain, _ = generate(pair, chats(), params)
+    spec, engine = generate(pair, chats(), params, "draft")
+    assert engine.stats.speculation.steps == 0
+    assert [o.logprobs for o in spec] == [o.logprobs for o in plain]
+
+
+def test_an_unused_draft_model_is_said(tmp_path, caplog):
+    rows = write_rows(tmp_path / "rows.jsonl", [{"prompt": "hello", "max_tokens": 2}])
+    with caplog.at_level("WARNING", logger="batchrun"):
+        run(rows, "--job-dir", tmp_path / "j", "--draft-model", DEMO_DRAFT_MODEL,
+            "--speculate", "ngram")
+    assert "--draft-model" in caplog.text and "is not used" in caplog.text

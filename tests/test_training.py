@@ -93,10 +93,11 @@ def test_the_trained_demo_labels_the_sample_reviews_and_calls_the_sample_tool(
     expected = {r["custom_id"]: r["expected"] for r in map(orjson.loads,
                                                            out.read_bytes().splitlines())}
     assert expected == {i: lessons.sentiment(rating) for i, rating in ratings.items()}
-    report = orjson.loads((tmp_path / "job" / "report.json").read_bytes())["labels"]
-    assert (report["expected_rows"], report["agreeing_rows"]) == (200, agree)
+    report = orjson.loads((tmp_path / "job" / "report.json").read_bytes())["expected"]
+    assert (report["column"], report["rows"], report["agreeing_rows"]) == \
+        ("sentiment", 200, agree)
     assert report["accuracy"] == round(agree / 200, 4)
-    assert f"{agree} of 200 labels are the expected answer" in result.output
+    assert f"{agree} of 200 results are the expected answer (sentiment)" in result.output
 
     rows = tmp_path / "weather.jsonl"
     rows.write_bytes(orjson.dumps({"messages": [{"role": "user", "content":

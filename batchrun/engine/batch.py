@@ -151,8 +151,10 @@ class LeanGenerationBatch(GenerationBatch):
             return []
         spec = self.speculator
         rows = len(self.uids)
-        speculating = spec is not None and \
-            spec.wants(rows, self.prompt_cache, allowed=not any(self.logits_processors))
+        speculating = spec is not None and spec.wants(
+            rows, self.prompt_cache, allowed=not any(self.logits_processors) and any(
+                uid not in self.logprob_uids and self.max_tokens[i] - self._num_tokens[i] > 1
+                for i, uid in enumerate(self.uids)))  # a row that may guess
         timed = True
         if speculating:
             emitted, logprobs, timed = self._speculative_step(spec)

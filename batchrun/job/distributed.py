@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchrun.engine.request import EngineConfig, EngineStats
+from batchrun.engine.request import EngineConfig, EngineStats, SpeculationStats
 from batchrun.io.jsonl import RawRow
 from batchrun.job.rows import RowError, is_openai_line
 from batchrun.job.runner import (
@@ -161,6 +161,7 @@ class SliceWorker(RowWork):
             self._ttfts_sent += len(ttfts)
         figures = {name: getattr(stats, name) for name in STAT_FIELDS}
         figures["ttfts"] = ttfts
+        figures["speculation"] = dataclasses.astuple(stats.speculation)
         return {"records": job.records, "stats": figures, "pid": os.getpid(),
                 "node": _node_ip()}
 
@@ -428,6 +429,9 @@ class RayJobRunner(JobRunner):
         for name in STAT_FIELDS:
             values = [f[name] for f in self._actor_stats.values()]
             setattr(s, name, max(values) if name == "peak_memory_bytes" else sum(values))
+        s.speculation = SpeculationStats(*(
+            sum(column) for column in zip(*(f.get("speculation", (0, 0, 0, 0))
+                                            for f in self._actor_stats.values()), strict=True)))
         s.ttfts.extend(figures["ttfts"])
         s.requests_finished += len(result["records"])
         w = self.workers[actor]

@@ -158,12 +158,15 @@ def openai_record(task: Task, outs: list[Output], model: str, created: int,
         body = {"id": f"cmpl-{key}", "object": "text_completion"}
     body |= {"created": created, "model": model, "choices": choices,
              "usage": usage}
-    return {
+    record = {
         "id": f"batch_req_{key}",
         "custom_id": task.custom_id,
         "response": {"status_code": 200, "request_id": f"req_{key}", "body": body},
         "error": None,
     }
+    if task.expected is not None:
+        record["expected"] = task.expected
+    return record
 
 
 def error_record(error: RowError, openai: bool = False) -> dict:

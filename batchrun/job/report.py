@@ -20,8 +20,9 @@ What the figures mean. The job (top level):
   them, the guesses kept (each one a token gained over a token a row a step) and their share.
 - labels, error_codes, token_lengths: read from the records (`record_figures`) when the final
   report is written (or by `batchrun report`); absent from the reports written mid-run.
-  labels.accuracy: with --expected-column, the share of results with an `expected` answer
-  whose label is that answer (expected_rows, agreeing_rows).
+- expected: with --expected-column, the column, the results with an `expected` answer (rows),
+  those whose answer (its label, else its text, both stripped) is it (agreeing_rows) and their
+  share (accuracy); error records are not results and count in neither.
 
 A run (one start of the job, in `runs`):
 - rows_done, rows_failed: the rows this run committed; prompt_tokens, cached_prompt_tokens,
@@ -246,7 +247,8 @@ def record_figures(job_dir: Path, output: str) -> dict:
         results, errors = record_paths(job_dir, manifest, output)
         state = JobState(job_dir, results, errors)
         progress = state.saved() or Progress()
-        tally = RecordTally(*job_labels(manifest))
+        tally = RecordTally(*job_labels(manifest),
+                            expected_column=manifest.get("options", {}).get("expected_column"))
         for line in committed_lines(results, progress.results_bytes):
             tally.add(line, is_error=False)
         for line in committed_lines(errors, progress.errors_bytes):
@@ -328,8 +330,9 @@ class RecordTally:
     label_low: Counter = field(default_factory=Counter)  # rows with the label, unsure
     prob_sums: Counter = field(default_factory=Counter)  # label -> sum of its choice prob
     scored_rows: int = 0  # rows with choice probabilities
-    expected_rows: int = 0  # results with an `expected` answer (--expected-column)
-    agreeing_rows: int = 0  # of them, those whose label is that answer
+    expected_column: str | None = None  # --expected-column
+    expected_rows: int = 0  # results with an `expected` answer
+    agreeing_rows: int = 0  # of them, those whose answer (its label, or its text) is it
     unlabeled_rows: int = 0  # results of a labeling job whose answer is no label
     codes: dict = field(default_factory=dict)  # code -> [rows, examples sorted by index]
     prompt_lengths: Counter = field(default_factory=Counter)
@@ -354,8 +357,9 @@ class RecordTally:
         label = self._label_of(text, probs)
         expected = record.get("expected")
         if isinstance(expected, str):
+            given = label if label is not None else text
             self.expected_rows += 1
-            self.agreeing_rows += label is not None and label.strip() == expected.strip()
+            self.agreeing_rows += given is not None and given.strip() == expected.strip()
         if label is None:
             if self.labels is not None:
                 self.unlabeled_rows += 1
@@ -399,7 +403,16 @@ class RecordTally:
     def figures(self) -> dict:
         return {"labels": self._labels(), "error_codes": self._error_codes(),
                 "token_lengths": {"prompt": histogram(self.prompt_lengths),
-                                  "completion": histogram(self.completion_lengths)}}
+                                  "completion": histogram(self.completion_lengths)},
+                "expected": self._expected()}
+
+    def _expected(self) -> dict | None:
+        """--expected-column: results with a right answer, and those whose answer is it."""
+        if self.expected_column is None and not self.expected_rows:
+            return None
+        rows = self.expected_rows
+        return {"column": self.expected_column, "rows": rows, "agreeing_rows": self.agreeing_rows,
+                "accuracy": round(self.agreeing_rows / rows, 4) if rows else None}
 
     def _labels(self) -> dict | None:
         if self.labels is None and not self.label_rows:
@@ -409,11 +422,6 @@ class RecordTally:
         scored = self.scored_rows
         return {
             "rows": sum(self.label_rows.values()),
-            # --expected-column: results with a right answer, and those whose label is it
-            "expected_rows": self.expected_rows,
-            "agreeing_rows": self.agreeing_rows,
-            "accuracy": round(self.agreeing_rows / self.expected_rows, 4)
-            if self.expected_rows else None,
             "unlabeled_rows": self.unlabeled_rows,
             "scored_rows": scored,
             "low_confidence_below": LOW_CONFIDENCE,
@@ -508,6 +516,14 @@ def human_rate(x: float) -> str:
     return f"{x:.1e}"
 
 
+def accuracy_line(expected: dict) -> str:
+    column = f" ({expected['column']})" if expected.get("column") else ""
+    if not expected["rows"]:
+        return f"accuracy:   no result has an expected answer{column}: is the column there?"
+    return (f"accuracy:   {expected['agreeing_rows']:,} of {expected['rows']:,} results are the "
+            f"expected answer{column}: {expected['accuracy']:.1%}")
+
+
 def summary_text(report: dict) -> str:
     ttft = report["ttft_p50_s"]
     runs = len(report["runs"])
@@ -539,10 +555,10 @@ def summary_text(report: dict) -> str:
         lines.append(f"labels:     {shares}" + (f", {more:,} more" if more > 0 else "")
                      + (f"; {labels['low_confidence_rows']:,} unsure (top choice under "
                         f"{labels['low_confidence_below']:.0%})" if labels["scored_rows"] else ""))
-        if labels.get("expected_rows"):
-            lines.append(f"accuracy:   {labels['agreeing_rows']:,} of "
-                         f"{labels['expected_rows']:,} labels are the expected answer "
-                         f"({labels['accuracy']:.1%})")
+
+    expected = report.get("expected")
+    if expected:
+        lines.append(accuracy_line(expected))
     if report.get("error_codes"):
         lines.append("row errors: " + ", ".join(f"{e['code']} {e['rows']:,}"
                                                 for e in report["error_codes"]))
@@ -686,6 +702,12 @@ def _bar(share: float, color: str = "#1f77b4") -> str:
             f'fill="#f0f0f0"/><rect width="{160 * share:.1f}" height="12" fill="{color}"/></svg>')
 
 
+def _expected_section(expected: dict | None) -> str:
+    if not expected:
+        return ""
+    return f'<h2>Accuracy</h2><p>{html.escape(accuracy_line(expected)[12:])}</p>'
+
+
 def _labels_section(labels: dict | None) -> str:
     if labels is None:
         return ""
@@ -712,9 +734,6 @@ def _labels_section(labels: dict | None) -> str:
         notes.append(f"{low:,} of them ({low / scored:.1%}) unsure" if low else "none unsure")
     if labels["unlabeled_rows"]:
         notes.append(f"{labels['unlabeled_rows']:,} results that are no label")
-    if labels.get("expected_rows"):
-        notes.append(f"accuracy {labels['accuracy']:.1%}: {labels['agreeing_rows']:,} of "
-                     f"{labels['expected_rows']:,} labels are the expected answer")
     legend = (f"<p class=\"note\">mean prob: the label's choice probability averaged over the "
               f"{scored:,} scored rows; unsure: rows of the label whose most likely choice has "
               f"less than {threshold}.</p>" if scored else "")
@@ -882,7 +901,7 @@ batchrun {html.escape(report['batchrun_version'])}</p>
 <div><div class="big">{human_seconds(report['wall_s'])}</div>wall time</div>
 <div><div class="big">{human_bytes(report['peak_memory_bytes'])}</div>peak memory</div>
 </div>
-{_labels_section(report.get('labels'))}
+{_labels_section(report.get('labels'))}{_expected_section(report.get('expected'))}
 {_errors_section(report.get('error_codes'), failed)}
 {_lengths_section(report.get('token_lengths'))}
 <h2>Over time</h2>

@@ -17,6 +17,7 @@ its images load elsewhere and the row is built again inside images_loaded().
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -229,11 +230,17 @@ def _build(value: Any, index: int, line: int, custom_id: str, prompts: PromptBui
 
 
 def expected_value(row: dict, column: str | None) -> str | None:
-    """The row's right answer from --expected-column, as text (none where it holds none)."""
+    """The row's right answer from --expected-column, as text: a string as it is, a number as
+    its shortest form (3.0 is "3": an integer column with a missing value reads as floats), a
+    boolean as true/false; none for a missing value, NaN, or a list or object."""
     value = row.get(column) if column else None
     if isinstance(value, bool):
         return str(value).lower()
-    return str(value) if isinstance(value, str | int | float) else None
+    if isinstance(value, float):
+        if math.isnan(value) or math.isinf(value):
+            return None
+        return str(int(value)) if value.is_integer() else repr(value)
+    return str(value) if isinstance(value, str | int) else None
 
 
 def _is_raw_prompt(body: dict, openai: str | None) -> bool:

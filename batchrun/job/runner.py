@@ -142,6 +142,8 @@ class JobSpec:
                    "output": _relative_output(self.output, self.job_dir)}
         if r.served_model_names:
             options["served_model_names"] = list(r.served_model_names)
+        if r.expected_column:  # the records carry its values, the report counts against them
+            options["expected_column"] = r.expected_column
         return orjson.loads(orjson.dumps(options))  # as job.json stores it (tuples are lists)
 
 
