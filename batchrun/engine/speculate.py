@@ -13,14 +13,16 @@ One forward of the target over every row's pending token and proposals verifies 
 (`LeanGenerationBatch._speculative_step`). A row keeps its proposals up to the first one the
 target would not have chosen, plus the target's own token there; the KV of the rest is dropped
 from its cache (`rollback`). The target's choice at each position is the one plain decoding
-makes: the greedy argmax, or for a sampled row the argmax under that position's own Gumbel
-noise (sampling.RowSampler), so greedy and seeded output are the same with and without
-speculation, and a sampled row keeps its distribution. A draft model proposes under the same
-noise, which is what makes its guesses of a sampled row's tokens good ones.
+makes: the greedy argmax, or for a sampled row the draw with that row's key for that position
+(sampling.RowSampler: a Gumbel-max draw), so greedy and seeded output are the same with and
+without speculation, and a sampled row keeps its distribution. A draft model proposes under
+the same keys, which is what makes its guesses of a sampled row's tokens good ones.
 
-Rows with logits processors (penalties, grammars, thinking budgets) or that report
-log-probabilities propose nothing; architectures whose caches cannot be cut back (sliding
-windows, recurrent state) do not speculate, and the log says so once.
+Rows that report log-probabilities, or have a token to go, propose nothing; a batch holding a
+row with logits processors (penalties, grammars, thinking budgets), or none that may propose,
+decodes plainly; architectures whose caches cannot be cut back (sliding windows, recurrent
+state) do not speculate, and the log says so once. A draft's KV cache is not counted in the
+engine's memory budget (a draft is meant to be small).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ log = logging.getLogger("batchrun")
 
 METHODS = ("off", "ngram", "draft")
 DEFAULT_DRAFT_TOKENS = 4
-NGRAM_LONGEST = 3  # the longest suffix matched first, down to one token
+NGRAM_LONGEST = 3  # the longest suffix matched first, down to NGRAM_SHORTEST tokens
 # Rows x (k + 1) tokens a verification forward may hold: below it a step's cost is mostly the
 # weights' read (or, on a CPU with a small model, the per-call overhead), so checking k guesses
 # costs about as much as decoding one token. Wider batches decode plainly.
