@@ -309,3 +309,10 @@ def test_an_unused_draft_model_is_said(tmp_path, caplog):
         run(rows, "--job-dir", tmp_path / "j", "--draft-model", DEMO_DRAFT_MODEL,
             "--speculate", "ngram")
     assert "--draft-model" in caplog.text and "is not used" in caplog.text
+
+
+def test_the_model_as_its_own_draft_is_said(tmp_path, caplog):
+    rows = write_rows(tmp_path / "rows.jsonl", [{"prompt": "hello", "max_tokens": 2}])
+    with caplog.at_level("WARNING", logger="batchrun"):
+        run(rows, "--job-dir", tmp_path / "j", "--model", DEMO_MODEL, "--draft-model", DEMO_MODEL)
+    assert "the draft model is the model itself" in caplog.text

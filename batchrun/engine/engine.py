@@ -20,6 +20,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -118,6 +119,9 @@ class Engine(Requests, CacheControl):
             if not same_vocabulary(loaded.tokenizer, self.tokenizer):
                 raise DraftModelError(f"the draft model {name} does not share the model's "
                                       "tokenizer (its vocabulary differs)")
+            if self.model_path and Path(loaded.path).resolve() == Path(self.model_path).resolve():
+                log.warning("the draft model is the model itself: its guesses cost as much as "
+                            "the steps they would save")
             draft = DraftModel(loaded.model, self.config.prefill_step_size)
             if not draft.usable:
                 raise DraftModelError(f"the draft model {name}: its KV cache cannot drop "
