@@ -268,7 +268,7 @@ def test_free_text_answers_are_counted_against_the_expected_answers_too():
                                            "accuracy": 0.75}
     # a job that names a column no row has says so
     empty = rp.RecordTally(expected_column="anwser").figures()["expected"]
-    assert "no result has an expected answer (anwser)" in rp.accuracy_line(empty)
+    assert "no result has an expected answer (anwser)" in rp.accuracy_text(empty)
 
 
 def test_the_token_length_histograms(labeled_job):

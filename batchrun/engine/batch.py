@@ -152,9 +152,8 @@ class LeanGenerationBatch(GenerationBatch):
         spec = self.speculator
         rows = len(self.uids)
         speculating = spec is not None and spec.wants(
-            rows, self.prompt_cache, allowed=not any(self.logits_processors) and any(
-                uid not in self.logprob_uids and self.max_tokens[i] - self._num_tokens[i] > 1
-                for i, uid in enumerate(self.uids)))  # a row that may guess
+            rows, self.prompt_cache,
+            allowed=not any(self.logits_processors) and any(self._room(1)))
         timed = True
         if speculating:
             emitted, logprobs, timed = self._speculative_step(spec)
@@ -185,6 +184,13 @@ class LeanGenerationBatch(GenerationBatch):
             self.filter(keep)
         return responses
 
+    def _room(self, k: int) -> list[int]:
+        """The tokens each row may guess past its pending one, at most `k`: none for a row that
+        reports log-probabilities or has one token to go."""
+        return [0 if uid in self.logprob_uids else
+                max(0, min(k, self.max_tokens[i] - self._num_tokens[i] - 1))
+                for i, uid in enumerate(self.uids)]
+
     def _speculative_step(self, spec: Speculator) -> tuple[list[list[int]], mx.array, bool]:
         """Each row's pending token, then its proposals verified in one forward of the model;
         (each row's tokens this step: the pending one and the proposals it keeps, the pending
@@ -197,10 +203,7 @@ class LeanGenerationBatch(GenerationBatch):
         rows, k = len(self.uids), spec.k
         samplers = [s or self.fallback_sampler for s in self.samplers]
         sampled = [i for i, s in enumerate(samplers) if s is not greedy]
-        # A row proposes tokens unless it reports log-probabilities or has one token to go.
-        room = [0 if uid in self.logprob_uids else
-                max(0, min(k, self.max_tokens[i] - self._num_tokens[i] - 1))
-                for i, uid in enumerate(self.uids)]
+        room = self._room(k)
 
         def choose(logprobs: mx.array, offset: int) -> mx.array:
             """The model's (or the draft's) token at each row's position `offset` past its
@@ -237,9 +240,10 @@ class LeanGenerationBatch(GenerationBatch):
             while n < room[i] and proposed[i][n] == chosen[i][n]:
                 n += 1
             kept.append(n)
-        rollback(self.prompt_cache, [k - n for n in kept])
+        drop = [k - n for n in kept]
+        rollback(self.prompt_cache, drop)
         if spec.method == "draft":
-            spec.draft.rollback([k - n for n in kept])
+            spec.draft.rollback(drop)
         emitted = [[pending[i], *proposed[i][:n]] for i, n in enumerate(kept)]
         for i, tokens in enumerate(emitted):
             self.tokens[i].extend(tokens)  # what the cache holds
@@ -249,5 +253,5 @@ class LeanGenerationBatch(GenerationBatch):
                                      dtype=inputs.dtype)
         self._next_logprobs = logprobs[mx.arange(rows), mx.array(kept)]
         mx.async_eval(self._next_tokens, self._next_logprobs)
-        spec.record(sum(room), sum(kept), rows)
+        spec.record(sum(room), sum(kept))
         return emitted, current, not prefilled

@@ -204,13 +204,8 @@ class SpeculationStats:
     """Speculative decoding's account (speculate.py)."""
 
     steps: int = 0  # verification forwards
-    row_steps: int = 0  # rows in them
     proposed: int = 0  # tokens proposed
     accepted: int = 0  # of them, kept: the tokens gained over one a row a step
-
-    @property
-    def acceptance(self) -> float | None:
-        return self.accepted / self.proposed if self.proposed else None
 
 
 @dataclass(slots=True)

@@ -32,7 +32,7 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
 from batchrun.engine.request import SpeculationStats
 
@@ -81,19 +81,16 @@ def speculates(caches: list) -> bool:
 
 def rollback(caches: list, drop: list[int]) -> None:
     """Drop each row's last `drop[i]` tokens from every layer's batch cache: all rows cut back
-    by the least of them, then each row's KV moved right by the rest (its last tokens roll
-    past the end; its left padding grows by as much, as mlx-lm's right-padded prefill does)."""
+    by the least of them, then the rest taken as each row's right padding, which mlx-lm's
+    batch cache rolls out as it does after a right-padded prefill (the row's KV moves right,
+    its left padding and RoPE offset follow)."""
     least = min(drop)
     extra = [d - least for d in drop]
-    shift = mx.array(extra)[:, None] if any(extra) else None
     for c in caches:
         if least:
             c.trim(least)
-        if shift is not None:
-            c.keys = dynamic_roll(c.keys, shift, axis=2)
-            c.values = dynamic_roll(c.values, shift, axis=2)
-            c.offset = c.offset - shift[:, 0]
-            c.left_padding = c.left_padding + shift[:, 0]
+        c.prepare(right_padding=extra)  # no-op when every row dropped as many
+        c.finalize()
 
 
 class DraftModel:
@@ -108,7 +105,6 @@ class DraftModel:
         self.caches: list[BatchKVCache] | None = None
         self.uids: list[int] = []
         self.seen: list[int] = []  # tokens each row's cache holds
-        self.prefilled = False  # the last sync prefilled rows
         caches = make_prompt_cache(model)
         self.usable = all(type(c) is KVCache for c in caches)
         self._layers = len(caches)
@@ -117,58 +113,55 @@ class DraftModel:
         """Make the cache's rows the batch's `uids` (in order), each holding `contexts[i]`:
         the tokens in the target's cache for row i. Whether rows were prefilled (a one-time
         cost, not the speculating step's)."""
-        self.prefilled = False
-        if uids != self.uids:
-            now = set(uids)
-            keep = [i for i, u in enumerate(self.uids) if u in now]
-            if len(keep) < len(self.uids):
-                if keep:
-                    for c in self.caches:
-                        c.filter(keep)
-                else:
-                    self.caches = None
-                self.uids = [self.uids[i] for i in keep]
-                self.seen = [self.seen[i] for i in keep]
-            have = set(self.uids)
-            new = [i for i, u in enumerate(uids) if u not in have]
-            if self.uids + [uids[i] for i in new] != uids:  # an order this cache cannot follow
-                self.reset()
-                new = list(range(len(uids)))
-            if self.uids:
-                self._catch_up(contexts[: len(self.uids)])
-            if new:
-                caches = self._prefill([contexts[i] for i in new])
-                if self.caches is None:
-                    self.caches = caches
-                else:
-                    for mine, theirs in zip(self.caches, caches, strict=True):
-                        mine.extend(theirs)
-                self.uids = self.uids + [uids[i] for i in new]
-                self.seen = self.seen + [len(contexts[i]) for i in new]
-        else:
-            self._catch_up(contexts)
-        return self.prefilled
+        if uids == self.uids:
+            return self._catch_up(contexts)
+        now = set(uids)
+        keep = [i for i, u in enumerate(self.uids) if u in now]
+        if len(keep) < len(self.uids):
+            if keep:
+                for c in self.caches:
+                    c.filter(keep)
+            else:
+                self.caches = None
+            self.uids = [self.uids[i] for i in keep]
+            self.seen = [self.seen[i] for i in keep]
+        have = set(self.uids)
+        new = [i for i, u in enumerate(uids) if u not in have]
+        if self.uids + [uids[i] for i in new] != uids:  # an order this cache cannot follow
+            self.reset()
+            new = list(range(len(uids)))
+        rebuilt = bool(self.uids) and self._catch_up(contexts[: len(self.uids)])
+        if new:
+            caches = self._prefill([contexts[i] for i in new])
+            if self.caches is None:
+                self.caches = caches
+            else:
+                for mine, theirs in zip(self.caches, caches, strict=True):
+                    mine.extend(theirs)
+            self.uids = self.uids + [uids[i] for i in new]
+            self.seen = self.seen + [len(contexts[i]) for i in new]
+        return rebuilt or bool(new)
 
-    def _catch_up(self, contexts: list[list[int]]) -> None:
+    def _catch_up(self, contexts: list[list[int]]) -> bool:
         """Feed the rows the tokens their target cache gained without the draft (the same
-        number for every row: the steps that did not speculate); rebuilt otherwise."""
+        number for every row: the steps that did not speculate); rebuilt otherwise (True)."""
         behind = {len(c) - n for c, n in zip(contexts, self.seen, strict=True)}
         if behind == {0}:
-            return
+            return False
         if len(behind) == 1 and min(behind) > 0:
             m = behind.pop()
             tokens = mx.array([c[-m:] for c in contexts])
             for start in range(0, m, self.prefill_step):
                 self.model(tokens[:, start: start + self.prefill_step], cache=self.caches)
             self.seen = [len(c) for c in contexts]
-            return
+            return False
         uids = self.uids
         self.reset()
         self.caches = self._prefill(contexts)
         self.uids, self.seen = list(uids), [len(c) for c in contexts]
+        return True
 
     def _prefill(self, contexts: list[list[int]]) -> list[BatchKVCache]:
-        self.prefilled = True
         longest = max(map(len, contexts))
         padding = [longest - len(c) for c in contexts]
         tokens = mx.array([[0] * p + c for p, c in zip(padding, contexts, strict=True)])
@@ -281,9 +274,8 @@ class Speculator:
         self._cost[speculated, width] = cost if old is None else \
             (1 - COST_WEIGHT) * old + COST_WEIGHT * cost
 
-    def record(self, proposed: int, accepted: int, rows: int) -> None:
+    def record(self, proposed: int, accepted: int) -> None:
         self.stats.steps += 1
-        self.stats.row_steps += rows
         self.stats.proposed += proposed
         self.stats.accepted += accepted
 

@@ -430,7 +430,7 @@ class RayJobRunner(JobRunner):
             values = [f[name] for f in self._actor_stats.values()]
             setattr(s, name, max(values) if name == "peak_memory_bytes" else sum(values))
         s.speculation = SpeculationStats(*(
-            sum(column) for column in zip(*(f.get("speculation", (0, 0, 0, 0))
+            sum(column) for column in zip(*(f.get("speculation", (0, 0, 0))
                                             for f in self._actor_stats.values()), strict=True)))
         s.ttfts.extend(figures["ttfts"])
         s.requests_finished += len(result["records"])

@@ -516,12 +516,12 @@ def human_rate(x: float) -> str:
     return f"{x:.1e}"
 
 
-def accuracy_line(expected: dict) -> str:
+def accuracy_text(expected: dict) -> str:
     column = f" ({expected['column']})" if expected.get("column") else ""
     if not expected["rows"]:
-        return f"accuracy:   no result has an expected answer{column}: is the column there?"
-    return (f"accuracy:   {expected['agreeing_rows']:,} of {expected['rows']:,} results are the "
-            f"expected answer{column}: {expected['accuracy']:.1%}")
+        return f"no result has an expected answer{column}: is the column there?"
+    return (f"{expected['agreeing_rows']:,} of {expected['rows']:,} results are the expected "
+            f"answer{column}: {expected['accuracy']:.1%}")
 
 
 def summary_text(report: dict) -> str:
@@ -555,10 +555,9 @@ def summary_text(report: dict) -> str:
         lines.append(f"labels:     {shares}" + (f", {more:,} more" if more > 0 else "")
                      + (f"; {labels['low_confidence_rows']:,} unsure (top choice under "
                         f"{labels['low_confidence_below']:.0%})" if labels["scored_rows"] else ""))
-
     expected = report.get("expected")
     if expected:
-        lines.append(accuracy_line(expected))
+        lines.append(f"accuracy:   {accuracy_text(expected)}")
     if report.get("error_codes"):
         lines.append("row errors: " + ", ".join(f"{e['code']} {e['rows']:,}"
                                                 for e in report["error_codes"]))
@@ -705,7 +704,7 @@ def _bar(share: float, color: str = "#1f77b4") -> str:
 def _expected_section(expected: dict | None) -> str:
     if not expected:
         return ""
-    return f'<h2>Accuracy</h2><p>{html.escape(accuracy_line(expected)[12:])}</p>'
+    return f'<h2>Accuracy</h2><p>{html.escape(accuracy_text(expected))}</p>'
 
 
 def _labels_section(labels: dict | None) -> str:
