@@ -55,24 +55,26 @@ def _check(lib: ctypes.CDLL, result: int, what: str) -> None:
 
 
 @cache
-def _arch() -> int:
+def _arch(oldest: int = OLDEST_ARCH) -> int:
+    """The oldest virtual architecture this NVRTC knows from `oldest` on."""
     lib = _library()
     count = ctypes.c_int()
     _check(lib, lib.nvrtcGetNumSupportedArchs(ctypes.byref(count)), "nvrtcGetNumSupportedArchs")
     archs = (ctypes.c_int * count.value)()
     _check(lib, lib.nvrtcGetSupportedArchs(archs), "nvrtcGetSupportedArchs")
-    return min((a for a in archs if a >= OLDEST_ARCH), default=max(archs))
+    return min((a for a in archs if a >= oldest), default=max(archs))
 
 
-def compile_ptx(source: str, name: str = "kernel.cu") -> bytes:
-    """PTX for `source` (NUL-terminated, as the driver reads it); NvrtcError with the
-    compiler's log if it does not compile."""
+def compile_ptx(source: str, name: str = "kernel.cu", oldest_arch: int = OLDEST_ARCH) -> bytes:
+    """PTX for `source` (NUL-terminated, as the driver reads it) for the oldest architecture
+    from `oldest_arch` on (a kernel using tensor-core instructions asks for the first that has
+    them); NvrtcError with the compiler's log if it does not compile."""
     lib = _library()
     program = ctypes.c_void_p()
     _check(lib, lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), name.encode(),
                                        0, None, None), "nvrtcCreateProgram")
     try:
-        options = [f"--gpu-architecture=compute_{_arch()}".encode()]
+        options = [f"--gpu-architecture=compute_{_arch(oldest_arch)}".encode()]
         result = lib.nvrtcCompileProgram(program, len(options),
                                          (ctypes.c_char_p * len(options))(*options))
         if result != 0:

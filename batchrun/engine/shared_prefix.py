@@ -26,7 +26,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from batchrun.engine import decode_attention
+from batchrun.engine import decode_attention, prefix_attention
 from batchrun.engine.decode_attention import attend, ranged_attention
 
 log = logging.getLogger("batchrun")
@@ -252,16 +252,16 @@ def attention_with_prefix(queries: mx.array, keys: mx.array, values: mx.array,
         index = None if whole else mx.array(rows)
         q_rows = q if whole else q[index]
         on_cpu = mx.default_device() == mx.cpu
-        if on_cpu and q_rows.size // D * prefix.length >= HOST_MIN_SCORES:
+        keys_p, values_p = prefix.keys[cache.layer], prefix.values[cache.layer]
+        raw = (queries if whole else queries[index]).reshape(len(rows), kv_heads, G * L, D)
+        if prefix_attention.serves(raw, keys_p, values_p):  # CUDA: fused, tensor cores
+            p_out, p_lse = prefix_attention.prefix_attention(raw, keys_p, values_p, scale)
+        elif on_cpu and q_rows.size // D * prefix.length >= HOST_MIN_SCORES:
             p_out, p_lse = _attend_prefix_host(q_rows, *prefix.host(cache.layer))
         elif FUSED_ON_METAL and not on_cpu and mx.metal.is_available():
-            raw = queries if whole else queries[index]
-            p_out, p_lse = _attend_prefix_fused(
-                raw.reshape(len(rows), kv_heads, G * L, D), prefix.keys[cache.layer],
-                prefix.values[cache.layer], scale)
+            p_out, p_lse = _attend_prefix_fused(raw, keys_p, values_p, scale)
         else:
-            p_out, p_lse = _attend_prefix(q_rows, prefix.keys[cache.layer],
-                                          prefix.values[cache.layer])
+            p_out, p_lse = _attend_prefix(q_rows, keys_p, values_p)
         o_rows, l_rows = (out, lse) if whole else (out[index], lse[index])
         merged = mx.logaddexp(l_rows, p_lse)
         o_rows = (o_rows * mx.exp(l_rows - merged)[..., None]

@@ -1,0 +1,335 @@
+"""The prefix part of cascade attention on CUDA: every row's queries against one shared prefix,
+fused on tensor cores.
+
+Rows under a shared prefix (shared_prefix.py) attend its keys with no mask, so the prefix part
+of a step is one plain attention: all the rows' queries of a KV head against that head's
+prefix keys. In MLX ops it materializes the score matrix in float32 (a labeling prefill of 870
+rows x ~42 queries x 32 heads under 1,763 keys writes and reads 8 GB a layer) and on CUDA
+MLX's fused attention materializes these shapes too. This kernel is flash attention for that
+one case, compiled by NVRTC (nvrtc.py) and launched through `mx.fast.precompiled_cuda_kernel`:
+
+- a thread block takes 64 queries of one KV head (16 a warp), wherever they come from: query
+  m of a head is row m // width's query m % width, so the rows' queries need no gathering;
+- it walks the prefix in tiles of 64 keys held in shared memory; each warp's scores come from
+  `mma.sync` (half-precision inputs, float32 sums), the running max and sum as in flash
+  attention, and the weights go back through `mma.sync` against the values (read transposed
+  by `ldmatrix`) without leaving registers;
+- it writes each query's output, normalized, and its log-sum-exp, both float32, which
+  `shared_prefix.attention_with_prefix` merges with the row's own part.
+
+The weights are rounded to the inputs' type for the second product, as flash attention does:
+a half-precision model's outputs differ from the float32-score path by that rounding. Float32
+models keep the MLX path. `reference` is the contract in MLX ops (tests, and the check every
+compiled variant passes before a row uses it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+from functools import cache
+
+import mlx.core as mx
+
+from batchrun.engine.decode_attention import _as_float32, attend, on_cuda
+from batchrun.engine.nvrtc import NvrtcError, compile_ptx
+
+log = logging.getLogger("batchrun")
+
+# False (or BATCHRUN_PREFIX_KERNEL=0): the prefix part stays in MLX ops on CUDA.
+ENABLED = os.environ.get("BATCHRUN_PREFIX_KERNEL", "1") != "0"
+# True: the prefix part takes this module on every device, through `reference` where the kernel
+# does not run (tests check the plumbing on the CPU this way).
+EVERYWHERE = False
+HEAD_DIMS = (64, 128)
+QUERIES_A_BLOCK = 64  # 4 warps of 16 queries
+# mma.sync's m16n8k16 shape for 16-bit inputs, and ldmatrix: Ampere (8.0) on.
+OLDEST_ARCH = 80
+
+# The kernel's source, self-contained (no includes), compiled by NVRTC with these defines
+# first: NAME, T_KIND (1 float16, 2 bfloat16), D (head dimension). Grid: (blocks, kv_heads)
+# of 128 threads. Inputs: q (rows, kv_heads, width, D), k and v (kv_heads, length, D); scalars:
+# scale_log2 (the softmax scale times log2(e)), width, total (rows * width), length. Outputs:
+# out (rows, kv_heads, width, D) float32, lse (rows, kv_heads, width) float32 (natural log).
+_SOURCE = r"""
+#define BR_INF __int_as_float(0x7f800000)
+#if T_KIND == 2
+#define BR_AB "bf16"
+#else
+#define BR_AB "f16"
+#endif
+typedef unsigned short br_u16;
+typedef unsigned int br_u32;
+struct alignas(16) BrV16 { br_u32 x[4]; };
+
+// Two floats as one register of two 16-bit values, `lo` in the low half (the lower index).
+__device__ __forceinline__ br_u32 br_pack(float lo, float hi) {
+  br_u32 r;
+#if T_KIND == 2
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+  return r;
+}
+
+// c (16x8, float32) += a (16x16, row-major) * b (16x8, column-major), one warp.
+__device__ __forceinline__ void br_mma(float* c, const br_u32* a, br_u32 b0, br_u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32." BR_AB "." BR_AB ".f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four 8x8 tiles of 16-bit values from shared memory, transposed: lane L gives the address of
+// row L % 8 of tile L / 8.
+__device__ __forceinline__ void br_ldmatrix_t(br_u32* r, const br_u16* row) {
+  unsigned address;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }"
+      : "=r"(address) : "l"(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address) : "memory");
+}
+
+extern "C" __global__ void __launch_bounds__(128)
+NAME(const br_u16* q, const br_u16* k, const br_u16* v, float* out, float* lse,
+     float scale_log2, int width, int total, int length) {
+  constexpr int BN = 64;         // keys a tile
+  constexpr int KS = D + 8;      // a key's stride in shared memory: conflict-free reads
+  constexpr int NT = BN / 8;     // score tiles (8 keys each) a tile of keys
+  constexpr int KD = D / 16;     // steps of 16 along the head dimension
+  constexpr int DT = D / 8;      // output tiles (8 dimensions each)
+  __shared__ __align__(16) br_u16 k_s[BN * KS];
+  __shared__ __align__(16) br_u16 v_s[BN * KS];
+  const int kvh = blockIdx.y, kv_heads = gridDim.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;  // the mma fragments' row group and column pair
+
+  // This thread's two query rows (g and g + 8 of the warp's 16) and their offsets.
+  int m[2];
+  size_t at[2];
+  #pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    m[r] = blockIdx.x * 64 + warp * 16 + g + 8 * r;
+    const int row = m[r] / width, w = m[r] % width;
+    at[r] = (((size_t)row * kv_heads + kvh) * width + w) * D;
+  }
+  br_u32 qa[KD][4];
+  #pragma unroll
+  for (int ks = 0; ks < KD; ++ks) {
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = i & 1, col = ks * 16 + (i >> 1) * 8 + 2 * t;
+      qa[ks][i] = m[r] < total ? *reinterpret_cast<const br_u32*>(q + at[r] + col) : 0u;
+    }
+  }
+
+  float o[DT][4], top[2] = {-BR_INF, -BR_INF}, sum[2] = {0.f, 0.f};
+  #pragma unroll
+  for (int d = 0; d < DT; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+  const br_u16* kb = k + (size_t)kvh * length * D;
+  const br_u16* vb = v + (size_t)kvh * length * D;
+
+  for (int base = 0; base < length; base += BN) {
+    __syncthreads();  // the previous tile is read
+    for (int i = threadIdx.x; i < BN * D / 8; i += 128) {
+      const int key = i / (D / 8), c = (i % (D / 8)) * 8;
+      BrV16 kv = {{0u, 0u, 0u, 0u}}, vv = {{0u, 0u, 0u, 0u}};
+      if (base + key < length) {
+        kv = *reinterpret_cast<const BrV16*>(kb + (size_t)(base + key) * D + c);
+        vv = *reinterpret_cast<const BrV16*>(vb + (size_t)(base + key) * D + c);
+      }
+      *reinterpret_cast<BrV16*>(k_s + key * KS + c) = kv;
+      *reinterpret_cast<BrV16*>(v_s + key * KS + c) = vv;
+    }
+    __syncthreads();
+
+    // Scores: s[n] holds keys n*8 + 2t, +1 of rows g (0, 1) and g + 8 (2, 3).
+    float s[NT][4];
+    #pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
+      const br_u16* kr = k_s + (n * 8 + g) * KS + 2 * t;
+      #pragma unroll
+      for (int ks = 0; ks < KD; ++ks)
+        br_mma(s[n], qa[ks], *reinterpret_cast<const br_u32*>(kr + ks * 16),
+               *reinterpret_cast<const br_u32*>(kr + ks * 16 + 8));
+    }
+    float next[2] = {top[0], top[1]};
+    #pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float x = base + n * 8 + 2 * t + (i & 1) < length ? s[n][i] * scale_log2 : -BR_INF;
+        s[n][i] = x;
+        next[i >> 1] = fmaxf(next[i >> 1], x);
+      }
+    }
+    float corr[2];
+    #pragma unroll
+    for (int r = 0; r < 2; ++r) {  // a row's four threads share its max
+      next[r] = fmaxf(next[r], __shfl_xor_sync(0xffffffffu, next[r], 1));
+      next[r] = fmaxf(next[r], __shfl_xor_sync(0xffffffffu, next[r], 2));
+      corr[r] = exp2f(top[r] - next[r]);  // a tile always holds a key: next[r] is finite
+      top[r] = next[r];
+      sum[r] *= corr[r];
+    }
+    #pragma unroll
+    for (int d = 0; d < DT; ++d) {
+      o[d][0] *= corr[0]; o[d][1] *= corr[0];
+      o[d][2] *= corr[1]; o[d][3] *= corr[1];
+    }
+    #pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float p = exp2f(s[n][i] - top[i >> 1]);
+        s[n][i] = p;
+        sum[i >> 1] += p;
+      }
+    }
+    // Weights times values: the score tiles of 16 keys are the next product's A fragments.
+    #pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      const br_u32 pa[4] = {br_pack(s[2 * kk][0], s[2 * kk][1]),
+                            br_pack(s[2 * kk][2], s[2 * kk][3]),
+                            br_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                            br_pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      #pragma unroll
+      for (int d = 0; d < DT; d += 2) {
+        br_u32 b[4];
+        br_ldmatrix_t(b, v_s + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * KS
+                             + (d + (lane >> 4)) * 8);
+        br_mma(o[d], pa, b[0], b[1]);
+        br_mma(o[d + 1], pa, b[2], b[3]);
+      }
+    }
+  }
+
+  #pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 1);
+    sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 2);
+    if (m[r] >= total) continue;
+    float* row = out + at[r] + 2 * t;
+    #pragma unroll
+    for (int d = 0; d < DT; ++d)
+      *reinterpret_cast<float2*>(row + d * 8) =
+          make_float2(o[d][2 * r] / sum[r], o[d][2 * r + 1] / sum[r]);
+    if (t == 0) lse[at[r] / D] = (top[r] + log2f(sum[r])) * 0.69314718055994531f;
+  }
+}
+"""
+_KINDS = {mx.float16: 1, mx.bfloat16: 2}
+_refused: list[str] = []  # why the kernel cannot run in this process, once known
+
+
+def variant_source(name: str, dtype: mx.Dtype, D: int) -> str:
+    defines = {"NAME": name, "T_KIND": _KINDS[dtype], "D": D}
+    return "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE
+
+
+@cache
+def _compiled(dtype: mx.Dtype, D: int) -> tuple[str, bytes]:
+    """(name, PTX) of one variant; the name carries the source's hash (MLX keeps loaded modules
+    by name)."""
+    source = variant_source("", dtype, D)
+    name = f"batchrun_prefix_attention_{hashlib.sha256(source.encode()).hexdigest()[:16]}"
+    return name, compile_ptx(variant_source(name, dtype, D), name + ".cu", OLDEST_ARCH)
+
+
+def _launch(q: mx.array, keys: mx.array, values: mx.array, scale: float
+            ) -> tuple[mx.array, mx.array]:
+    rows, kv_heads, width, D = q.shape
+    total = rows * width
+    name, ptx = _compiled(q.dtype, D)
+    blocks = math.ceil(total / QUERIES_A_BLOCK)
+    return mx.fast.precompiled_cuda_kernel(
+        name=name, compiled_source=ptx, inputs=[q, keys, values],
+        output_shapes=[(rows, kv_heads, width, D), (rows, kv_heads, width)],
+        output_dtypes=[mx.float32, mx.float32],
+        scalars=[_as_float32(scale * math.log2(math.e)), width, total, keys.shape[2]],
+        grid=(blocks * 128, kv_heads, 1), threadgroup=(128, 1, 1),
+        ensure_row_contiguous=True)
+
+
+# How far a variant's first results may be from `reference`'s, by input type (the weights are
+# rounded to it for the second product).
+TOLERANCE = {mx.float16: 5e-3, mx.bfloat16: 3e-2}
+
+
+@cache
+def _verify(dtype: mx.Dtype, D: int) -> None:
+    """A variant's first call, before any row depends on it: small random inputs (a width that
+    does not fill the last block, a length that does not fill the last tile) against
+    `reference`; ValueError if they differ (a GPU or driver it was never run on, say)."""
+    key = mx.random.key(0)
+    parts = mx.random.split(key, 3)
+    q = mx.random.normal((3, 2, 37, D), key=parts[0]).astype(dtype)
+    k = mx.random.normal((1, 2, 150, D), key=parts[1]).astype(dtype)
+    v = mx.random.normal((1, 2, 150, D), key=parts[2]).astype(dtype)
+    out, lse = _launch(q, k, v, D ** -0.5)
+    with mx.stream(mx.cpu):  # exact float32 (CUDA's float32 matmuls may round as TF32)
+        expected, expected_lse = reference(q, k, v, D ** -0.5)
+    error = max(mx.abs(out - expected).max().item(), mx.abs(lse - expected_lse).max().item())
+    if not error <= TOLERANCE[dtype]:  # NaN fails too
+        raise ValueError(f"its results differ from MLX's by {error:.3g} on a test input")
+
+
+def _refuse(error: Exception) -> None:
+    _refused.append(str(error))
+    log.warning("the shared-prefix attention kernel is not available (%s); the prefix part "
+                "of attention takes MLX's ops", error)
+
+
+def _kernel_takes(q: mx.array, keys: mx.array, values: mx.array) -> bool:
+    """Whether the kernel runs this call: CUDA, a half-precision type and head dimension it was
+    written for, and NVRTC compiled it and its check passed (a failure is logged once, and
+    the process keeps MLX's ops)."""
+    if _refused or not on_cuda() or q.dtype not in _KINDS or keys.dtype != q.dtype \
+            or values.dtype != q.dtype or q.shape[-1] not in HEAD_DIMS:
+        return False
+    try:
+        _compiled(q.dtype, q.shape[-1])
+        _verify(q.dtype, q.shape[-1])
+    except (NvrtcError, OSError, ValueError, RuntimeError) as e:
+        _refuse(e)
+        return False
+    return True
+
+
+def serves(q: mx.array, keys: mx.array, values: mx.array) -> bool:
+    """Whether the prefix part of this call takes this path: keys to attend, values the size
+    of the keys, and the kernel on CUDA for this dtype and head dimension (EVERYWHERE:
+    `reference` elsewhere)."""
+    if not ENABLED or keys.shape[2] == 0 or values.shape[-1] != q.shape[-1] \
+            or q.shape[0] * q.shape[2] >= 2 ** 31:
+        return False
+    return EVERYWHERE or _kernel_takes(q, keys, values)
+
+
+def prefix_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float
+                     ) -> tuple[mx.array, mx.array]:
+    """Every row's queries q (rows, kv_heads, width, D), unscaled, against one prefix's keys
+    and values (1, kv_heads, length, D), with no mask: (output (rows, kv_heads, width, D),
+    log-sum-exp (rows, kv_heads, width)), float32. The kernel on CUDA, else `reference`."""
+    if _kernel_takes(q, keys, values):
+        try:
+            return _launch(q, keys, values, scale)
+        except (ValueError, RuntimeError) as e:  # MLX refused the launch: keep MLX's ops
+            _refuse(e)
+    return reference(q, keys, values, scale)
+
+
+def reference(q: mx.array, keys: mx.array, values: mx.array, scale: float
+              ) -> tuple[mx.array, mx.array]:
+    """The kernel's contract in MLX ops, float32 throughout."""
+    rows, kv_heads, width, D = q.shape
+    flat = (q.astype(mx.float32) * scale).transpose(1, 0, 2, 3).reshape(kv_heads, -1, D)
+    scores = flat @ keys[0].astype(mx.float32).swapaxes(-1, -2)  # (kv_heads, rows*width, length)
+    out, lse = attend(scores, values[0], None)
+    return (out.reshape(kv_heads, rows, width, -1).transpose(1, 0, 2, 3),
+            lse.reshape(kv_heads, rows, width).transpose(1, 0, 2))

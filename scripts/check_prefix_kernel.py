@@ -1,0 +1,165 @@
+"""Check the shared-prefix attention kernel (batchrun/engine/prefix_attention.py) on a CUDA device.
+
+    python scripts/check_prefix_kernel.py OUT_DIR [--quick]
+
+1. Correctness: the kernel against `reference` (float32 MLX ops on the CPU, same inputs) over
+   dtypes, head dims, rows, queries a row (width), and prefix lengths, the last block of
+   queries and the last tile of keys part-full. Fails (exit 1) beyond tolerance, or if the
+   kernel was refused.
+2. Cost of one layer's prefix part at a labeling job's shapes (a suffix prefill, a decode
+   step): the kernel against the MLX ops the engine ran on CUDA before it (float32 scores in
+   evaluated chunks, shared_prefix._attend_prefix).
+3. Greedy tokens (not with --quick): the engine on a small bfloat16 model, rows under two
+   shared instructions, the prefix part through the kernel and through MLX's ops.
+
+Writes OUT_DIR/prefix_kernel.json. CI has no GPU; the CPU tests cover `reference`, the
+dispatch and the source's compilation.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import batchrun  # noqa: F401
+
+# isort: split
+import mlx.core as mx
+
+from batchrun.engine import prefix_attention as pa
+from batchrun.engine import shared_prefix
+
+TOLERANCE = {mx.float16: 4e-3, mx.bfloat16: 2.5e-2}
+
+
+def correctness() -> list[dict]:
+    results = []
+    mx.random.seed(0)
+    cases = [(dtype, D, rows, kv_heads, width, length)
+             for dtype in (mx.bfloat16, mx.float16) for D in pa.HEAD_DIMS
+             for rows, kv_heads, width, length in (
+                 (1, 1, 1, 1), (3, 2, 37, 150), (7, 8, 4, 64), (16, 8, 180, 1763),
+                 (300, 8, 4, 1763), (2, 4, 5, 4097), (5, 1, 63, 65))]
+    for dtype, D, rows, kv_heads, width, length in cases:
+        pa._refused.clear()
+        q = mx.random.normal((rows, kv_heads, width, D)).astype(dtype)
+        k = mx.random.normal((1, kv_heads, length, D)).astype(dtype)
+        v = mx.random.normal((1, kv_heads, length, D)).astype(dtype)
+        scale = D ** -0.5
+        out, lse = pa.prefix_attention(q, k, v, scale)
+        mx.eval(out, lse)
+        with mx.stream(mx.cpu):
+            expected, expected_lse = pa.reference(q, k, v, scale)
+            error = mx.abs(out - expected).max().item()
+            lse_error = mx.abs(lse - expected_lse).max().item()
+        result = {"dtype": str(dtype), "D": D, "rows": rows, "kv_heads": kv_heads,
+                  "width": width, "length": length, "max_error": error,
+                  "max_lse_error": lse_error, "refused": list(pa._refused)}
+        result["ok"] = not pa._refused and max(error, lse_error) <= TOLERANCE[dtype]
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    return results
+
+
+def timed(call, reps: int) -> float:
+    """Milliseconds a call, after three warm-up calls."""
+    for _ in range(3):
+        mx.eval(call())
+    start = time.perf_counter()
+    for _ in range(reps):
+        mx.eval(call())
+    return (time.perf_counter() - start) / reps * 1000
+
+
+def timing(what: str, rows: int, width: int, length: int, kv_heads=8, D=64, reps=20) -> dict:
+    dtype = mx.bfloat16
+    q = mx.random.normal((rows, kv_heads, width, D)).astype(dtype)
+    k = mx.random.normal((1, kv_heads, length, D)).astype(dtype)
+    v = mx.random.normal((1, kv_heads, length, D)).astype(dtype)
+    scale = D ** -0.5
+    mx.eval(q, k, v)
+    calls = {
+        "kernel": lambda: pa.prefix_attention(q, k, v, scale),
+        "mlx_ops": lambda: shared_prefix._attend_prefix(q.astype(mx.float32) * scale, k, v),
+    }
+    result = {"what": what, "rows": rows, "width": width, "length": length,
+              "kv_heads": kv_heads, "D": D}
+    for name, call in calls.items():
+        result[name + "_ms"] = timed(call, reps)
+    flops = 4 * rows * width * kv_heads * length * D  # two products, a multiply-add each
+    result["kernel_tflops"] = flops / (result["kernel_ms"] / 1000) / 1e12
+    result["speedup"] = result["mlx_ops_ms"] / result["kernel_ms"]
+    result["refused"] = list(pa._refused)
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def greedy(model_dir: str) -> dict:
+    from batchrun.cache import block_layout, make_prefix_cache
+    from batchrun.engine.engine import Engine
+    from batchrun.engine.request import EngineConfig, SamplingParams
+    from batchrun.models import load_model
+
+    lm = load_model(model_dir)
+    lm.model.set_dtype(mx.bfloat16)
+    instructions = [
+        "You label product reviews as positive, negative or neutral. " + " ".join(
+            f"Example {i}: the kettle is sturdy and quiet, so it is positive." for i in range(30)),
+        "Translate the review into a one-word mood. " + " ".join(
+            f"Sample {i}: the lamp flickers and hums, so the mood is gloomy." for i in range(30))]
+    chats = [[{"role": "system", "content": instructions[i % 2]},
+              {"role": "user", "content": f"Review {i}: it is {'great' if i % 3 else 'awful'}"}]
+             for i in range(64)]
+    tokens = {}
+    for on in (False, True):
+        pa.ENABLED = on
+        cache = make_prefix_cache(lm.fingerprint, 1 << 30, None, block_size=32,
+                                  layout=block_layout(lm.model))
+        engine = Engine(lm.model, lm.tokenizer, EngineConfig(max_concurrency=64),
+                        lm.context_length, prefix_cache=cache, model_fingerprint=lm.fingerprint)
+        tokens[on] = [o.token_ids for o in engine.generate(chats, SamplingParams(max_tokens=24))]
+        hits = engine.get_cache_stats()["hit_tokens"]
+    pa.ENABLED = True
+    result = {"dtype": "bfloat16", "rows": len(chats), "cache_hit_tokens": hits,
+              "rows_differing": sum(a != b for a, b in zip(tokens[False], tokens[True],
+                                                           strict=True)),
+              "first_differences": [
+                  {"row": i, "position": next(j for j, (x, y) in enumerate(
+                      zip(a + [-1], b + [-2], strict=False)) if x != y)}
+                  for i, (a, b) in enumerate(zip(tokens[False], tokens[True], strict=True))
+                  if a != b][:10],
+              "refused": list(pa._refused)}
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--model", default="/tmp/m150",
+                        help="an mlx-lm model folder for the greedy check (the 150m shape "
+                             "is built there if absent)")
+    parser.add_argument("--quick", action="store_true", help="no greedy-token check")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not pa.on_cuda():
+        sys.exit("check_prefix_kernel.py needs MLX's CUDA backend")
+    result = {"correctness": correctness()}
+    result["timing"] = [
+        timing("suffix prefill, 512 rows x 45 queries x 4 heads", 512, 180, 1763),
+        timing("suffix prefill, 128 rows, head size 128", 128, 180, 1763, D=128),
+        timing("decode step, 1,024 rows x 4 heads", 1024, 4, 1763),
+        timing("decode step, 64 rows x 4 heads", 64, 4, 1763)]
+    if not args.quick:
+        if not (Path(args.model) / "config.json").exists():
+            from batchrun.models.build import build
+
+            build(Path(args.model), "150m")
+        result["greedy"] = greedy(args.model)
+    (args.out / "prefix_kernel.json").write_text(json.dumps(result, indent=2))
+    sys.exit(0 if all(r["ok"] for r in result["correctness"]) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""The prefix part of cascade attention on CUDA (prefix_attention.py): its contract, checked here
+through `reference` (the same contract in MLX ops) against the MLX and NumPy paths it replaces
+on CUDA; the dispatch that picks it; its source compiling for the tensor cores it needs; and
+the engine's greedy tokens when the prefix part takes it."""
+
+import re
+import sys
+
+import mlx.core as mx
+import pytest
+from test_shared_prefix import FIRST, SECOND, rows, run, run_outputs
+
+from batchrun.engine import prefix_attention as pa
+from batchrun.engine import shared_prefix
+from batchrun.engine.nvrtc import NvrtcError
+from batchrun.engine.request import SamplingParams
+
+
+def inputs(rows=3, kv_heads=2, width=12, length=150, D=64, dtype=mx.float32, seed=0):
+    mx.random.seed(seed)
+    q = mx.random.normal((rows, kv_heads, width, D)).astype(dtype)
+    k = mx.random.normal((1, kv_heads, length, D)).astype(dtype)
+    v = mx.random.normal((1, kv_heads, length, D)).astype(dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize("rows,width,length", [(1, 1, 1), (3, 12, 150), (5, 37, 64)])
+def test_the_contract_is_the_prefix_part_the_mlx_and_numpy_paths_compute(rows, width, length):
+    q, k, v = inputs(rows=rows, width=width, length=length)
+    scale = 64 ** -0.5
+    out, lse = pa.reference(q, k, v, scale)
+    assert out.shape == q.shape and out.dtype == mx.float32
+    assert lse.shape == q.shape[:3] and lse.dtype == mx.float32
+    scaled = q * scale
+    for p_out, p_lse in (shared_prefix._attend_prefix(scaled, k, v),
+                         shared_prefix._attend_prefix_host(
+                             scaled, mx.swapaxes(k[0], -1, -2), v[0])):
+        assert mx.allclose(out, p_out, atol=1e-5) and mx.allclose(lse, p_lse, atol=1e-5)
+    # And straight from the definition: softmax over the prefix's keys.
+    scores = (scaled[:, :, :, None] * k[0][None, :, None]).sum(-1)  # (rows, kv, width, len)
+    assert mx.allclose(lse, mx.logsumexp(scores, axis=-1), atol=1e-5)
+    assert mx.allclose(out, mx.softmax(scores, axis=-1) @ v[0][None], atol=1e-5)
+
+
+def test_the_path_serves_half_precision_prefix_parts_only_where_its_kernel_runs(monkeypatch):
+    q, k, v = inputs(dtype=mx.bfloat16)
+    assert not pa.serves(q, k, v)  # this CPU: NumPy or MLX ops, as before
+    monkeypatch.setattr(pa, "EVERYWHERE", True)
+    assert pa.serves(q, k, v)
+    assert not pa.serves(q, k, v[..., :32])  # values of another head size
+    assert not pa.serves(q, k[:, :, :0], v[:, :, :0])  # nothing to attend
+    monkeypatch.setattr(pa, "ENABLED", False)
+    assert not pa.serves(q, k, v)
+
+
+def test_on_cuda_the_kernel_takes_half_precision_and_its_head_sizes_only(monkeypatch):
+    monkeypatch.setattr(pa, "on_cuda", lambda: True)
+    monkeypatch.setattr(pa, "_refused", [])
+    monkeypatch.setattr(pa, "_compiled", lambda *args: ("name", b"ptx"))
+    monkeypatch.setattr(pa, "_verify", lambda *args: None)
+    for dtype, D, takes in [(mx.bfloat16, 64, True), (mx.float16, 128, True),
+                            (mx.float32, 64, False), (mx.bfloat16, 96, False)]:
+        q, k, v = inputs(D=D, dtype=dtype)
+        assert pa.serves(q, k, v) is takes
+    q, k, v = inputs(dtype=mx.bfloat16)
+    assert not pa.serves(q, k.astype(mx.float16), v)  # keys of another type
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts the rows given to the path's reference (the CPU's stand-in for the kernel)."""
+    calls = []
+    original = pa.reference
+
+    def counting(q, *args):
+        calls.append(q.shape[0])
+        return original(q, *args)
+
+    monkeypatch.setattr(pa, "reference", counting)
+    return calls
+
+
+@pytest.mark.parametrize("concurrency", [1, 64])
+def test_greedy_tokens_do_not_change_when_the_prefix_part_takes_the_path(
+        demo, monkeypatch, counted, concurrency):
+    """Prefills and decode steps of rows under two prefixes, mixed in batches."""
+    chats = rows(FIRST, 6) + rows(SECOND, 6) + rows(FIRST, 4, start=6)
+    expected, _ = run(demo, chats, prefix=False)
+    monkeypatch.setattr(pa, "EVERYWHERE", True)
+    tokens, engine = run(demo, chats, concurrency=concurrency)
+    assert engine.get_cache_stats()["hit_tokens"] > 0
+    assert tokens == expected
+    assert counted and max(counted) > (1 if concurrency > 1 else 0)
+
+
+def test_a_warm_up_runs_the_prefix_part_before_any_row_when_rows_share_prefixes(
+        demo, monkeypatch, counted):
+    """On a GPU the kernel's first use (its compilation and check) would otherwise be inside
+    the first wave of rows: the engine's warm-up runs two rows under a short prefix, a
+    prefill and a decode step, and keeps nothing of them."""
+    chats = rows(FIRST, 4)
+    expected, _ = run(demo, chats, prefix=False)
+    monkeypatch.setattr(pa, "EVERYWHERE", True)
+    _, engine = run_outputs(demo, [])  # with a prefix cache: rows share prefixes
+    engine.warm_up(cpu_too=True)
+    layers = len(demo.model.layers)
+    assert counted == [2] * (2 * layers)  # 2 rows, each layer, prefill then decode
+    stats = engine.get_cache_stats()
+    assert (stats["hits"], stats["misses"], stats["blocks"]) == (0, 0, 0)
+    assert [o.token_ids for o in engine.generate(chats, SamplingParams(max_tokens=10))] == \
+        expected
+    counted.clear()
+    _, plain = run_outputs(demo, [], prefix=False)  # no prefix cache: no prefix to share
+    plain.warm_up(cpu_too=True)
+    assert not counted
+
+
+def test_without_a_compiler_the_prefix_part_keeps_mlxs_ops_with_one_warning(
+        monkeypatch, caplog):
+    monkeypatch.setattr(pa, "on_cuda", lambda: True)  # as on a CUDA machine without NVRTC
+    monkeypatch.setattr(pa, "_refused", [])
+    pa._compiled.cache_clear()
+
+    def missing(*args):
+        raise NvrtcError("NVRTC (CUDA's runtime compiler) was not found")
+
+    monkeypatch.setattr(pa, "compile_ptx", missing)
+    q, k, v = inputs(dtype=mx.bfloat16)
+    with caplog.at_level("WARNING", logger="batchrun"):
+        assert not pa.serves(q, k, v)
+        assert not pa.serves(q, k, v)
+        out, _ = pa.prefix_attention(q, k, v, 0.125)  # the reference
+    assert out.shape == q.shape
+    warnings = [r for r in caplog.records if "shared-prefix attention kernel" in r.message]
+    assert len(warnings) == 1 and "NVRTC" in warnings[0].message
+    pa._compiled.cache_clear()
+
+
+def test_a_launch_mlx_refuses_falls_back_for_the_process(monkeypatch, caplog):
+    monkeypatch.setattr(pa, "on_cuda", lambda: True)
+    monkeypatch.setattr(pa, "_refused", [])
+    monkeypatch.setattr(pa, "_compiled", lambda *args: ("name", b"ptx"))
+    monkeypatch.setattr(pa, "_verify", lambda *args: None)
+
+    def refused(*args):
+        raise RuntimeError("[precompiled_cuda_kernel] failed to load the module")
+
+    monkeypatch.setattr(pa, "_launch", refused)
+    q, k, v = inputs(dtype=mx.bfloat16)
+    with caplog.at_level("WARNING", logger="batchrun"):
+        assert pa.serves(q, k, v)
+        out, lse = pa.prefix_attention(q, k, v, 0.125)
+        assert not pa.serves(q, k, v)  # the rest of the process: MLX's ops
+    expected, expected_lse = pa.reference(*(x.astype(mx.float32) for x in (q, k, v)), 0.125)
+    assert mx.allclose(out, expected, atol=1e-5) and mx.allclose(lse, expected_lse, atol=1e-5)
+    assert sum("shared-prefix attention kernel" in r.message for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_kernel_variant_is_checked_against_the_reference_before_rows_use_it(
+        monkeypatch, caplog, broken):
+    monkeypatch.setattr(pa, "on_cuda", lambda: True)
+    monkeypatch.setattr(pa, "_refused", [])
+    monkeypatch.setattr(pa, "_compiled", lambda *args: ("name", b"ptx"))
+    pa._verify.cache_clear()
+    launched = []
+
+    def launch(q, k, v, scale):  # the kernel's contract, or not
+        launched.append(q.shape)
+        out, lse = pa.reference(q, k, v, scale)
+        return (out, lse + 0.5) if broken else (out, lse)
+
+    monkeypatch.setattr(pa, "_launch", launch)
+    q, k, v = inputs(dtype=mx.bfloat16)
+    with caplog.at_level("WARNING", logger="batchrun"):
+        assert pa.serves(q, k, v) is not broken
+        assert pa.serves(q, k, v) is not broken
+    assert len(launched) == 1  # once a variant
+    # The check's inputs leave the last block of queries and the last tile of keys part-full.
+    rows_, _, width, _ = launched[0]
+    assert rows_ * width % pa.QUERIES_A_BLOCK and 150 % 64
+    warnings = [r.message for r in caplog.records if "shared-prefix attention kernel" in r.message]
+    assert warnings == (["the shared-prefix attention kernel is not available (its results "
+                         "differ from MLX's by 0.5 on a test input); the prefix part of "
+                         "attention takes MLX's ops"] if broken else [])
+    pa._verify.cache_clear()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="NVIDIA ships NVRTC's wheels for Linux")
+def test_the_kernels_source_compiles_for_tensor_cores_with_the_launched_name():
+    """No GPU here: NVRTC (from nvidia-cuda-nvrtc, a test dependency) still compiles. The
+    variants need Ampere's mma.sync shape and ldmatrix, and keep their arrays in registers."""
+    names = set()
+    for dtype, kind in ((mx.bfloat16, "bf16"), (mx.float16, "f16")):
+        for D in pa.HEAD_DIMS:
+            name, ptx = pa._compiled(dtype, D)
+            text = ptx.decode()
+            assert ptx.endswith(b"\0") and f".visible .entry {name}(" in text
+            target = int(re.search(r"\.target sm_(\d+)", text).group(1))
+            assert target >= pa.OLDEST_ARCH
+            assert f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32" in text
+            # A tile of 64 keys: D/16 score products and D/8 value products per 8 and 16 keys.
+            assert text.count("mma.sync") == (64 // 8) * (D // 16) + (64 // 16) * (D // 8)
+            assert ".local" not in text  # no array spilled to local memory
+            names.add(name)
+    assert len(names) == 2 * len(pa.HEAD_DIMS)  # no two share a name
