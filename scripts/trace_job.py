@@ -1,7 +1,8 @@
 """Where a `batchrun run` spends its first seconds: the command line's arguments, run with
 timestamps (seconds since the job loop started) printed to stderr for each feeder take,
 engine step, prefill call (rows, longest prompt), disk-cache read, shared-prefix build, a
-cold prefix's computation and tail computation; and the process's phases (imports, model
+cold prefix's computation and tail computation, the warm-up and the attention kernels'
+compilation (a wait for the one started ahead, NVRTC's, the first-use check); and the process's phases (imports, model
 loading, engine start, job preparation, the job loop, exit) in seconds since the process
 started.
 
@@ -32,7 +33,14 @@ if "--model" in sys.argv:  # as the command line does, before this script import
     keep_torch_out(sys.argv[sys.argv.index("--model") + 1])
 from batchrun.cache import disk  # noqa: E402
 from batchrun.cli import main  # noqa: E402
-from batchrun.engine import engine, shared_prefix, text  # noqa: E402
+from batchrun.engine import (  # noqa: E402
+    decode_attention,
+    engine,
+    nvrtc,
+    prefix_attention,
+    shared_prefix,
+    text,
+)
 from batchrun.job import feeder, runner  # noqa: E402
 
 generate = importlib.import_module("mlx_lm.generate")
@@ -99,6 +107,12 @@ traced(shared_prefix.SharedPrefix, "from_blocks", lambda a, r: f"{r.length} toke
 traced(text.TextBackend, "_extend", lambda a, r: f"{len(a[2])} tail tokens")
 traced(text.TextBackend, "compute_prefix", lambda a, r: f"{a[2]} prefix tokens")
 traced(text.TextBackend, "next", lambda a, r: f"prompt work {r[0]}, {len(r[1])} tokens")
+traced(engine.Engine, "warm_up")
+traced(text.TextBackend, "warm_up")
+traced(nvrtc, "wait_ahead")
+for kernel in (decode_attention, prefix_attention):
+    traced(kernel, "_compiled")
+    traced(kernel, "_verify")
 traced(generate.PromptProcessingBatch, "prompt",
        lambda a, r: f"{len(a[1])} rows, longest {max(map(len, a[1]), default=0)} tokens")
 

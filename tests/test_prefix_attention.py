@@ -5,13 +5,16 @@ the engine's greedy tokens when the prefix part takes it."""
 
 import re
 import sys
+import time
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models import llama
 from test_shared_prefix import FIRST, SECOND, rows, run, run_outputs
 
+from batchrun.engine import decode_attention as da
+from batchrun.engine import nvrtc, shared_prefix, text
 from batchrun.engine import prefix_attention as pa
-from batchrun.engine import shared_prefix
 from batchrun.engine.nvrtc import NvrtcError
 from batchrun.engine.request import SamplingParams
 
@@ -204,3 +207,43 @@ def test_the_kernels_source_compiles_for_tensor_cores_with_the_launched_name():
             assert ".local" not in text  # no array spilled to local memory
             names.add(name)
     assert len(names) == 2 * len(pa.HEAD_DIMS)  # no two share a name
+
+
+def test_kernels_compiled_ahead_are_waited_for_and_a_failure_is_left_to_the_first_use(capfd):
+    order = []
+
+    def slow():
+        time.sleep(0.2)
+        order.append("compiled")
+
+    def broken():
+        raise NvrtcError("compiling kernel.cu failed")
+
+    nvrtc.compile_ahead(broken, slow)
+    nvrtc.wait_ahead()
+    order.append("first use")
+    assert order == ["compiled", "first use"]
+    assert capfd.readouterr().err == ""  # no thread's traceback: the first use reports it
+
+
+def test_on_cuda_a_text_backend_compiles_its_models_kernels_ahead(demo, monkeypatch):
+    """A half-precision model with head size 64 and 2 query heads a KV head: the prefix
+    kernel's variant and the decode kernel's, started before any row."""
+    calls = []
+    monkeypatch.setattr(text, "compile_ahead", lambda *c: calls.extend(c))
+    monkeypatch.setattr(da, "on_cuda", lambda: True)
+    monkeypatch.setattr(pa, "on_cuda", lambda: True)
+    monkeypatch.setattr(pa, "_compiled", lambda *args: ("prefix", args))
+    monkeypatch.setattr(da, "_compiled", lambda *args: ("decode", args))
+    args = llama.ModelArgs(model_type="llama", hidden_size=256, num_hidden_layers=1,
+                           intermediate_size=256, num_attention_heads=4,
+                           num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=64)
+    model = llama.Model(args)
+    model.set_dtype(mx.bfloat16)
+    text.TextBackend(model, demo.tokenizer)
+    assert [c() for c in calls] == [("prefix", (mx.bfloat16, 64)),
+                                    ("decode", (mx.bfloat16, 64, 2, da.WARPS, da.GROUPED))]
+    calls.clear()
+    model.set_dtype(mx.float32)  # float32 models keep MLX's attention on CUDA
+    text.TextBackend(model, demo.tokenizer)
+    assert calls == []

@@ -31,7 +31,7 @@ from functools import cache
 
 import mlx.core as mx
 
-from batchrun.engine.nvrtc import NvrtcError, compile_ptx
+from batchrun.engine.nvrtc import NvrtcError, compile_ptx, wait_ahead
 
 log = logging.getLogger("batchrun")
 
@@ -393,6 +393,7 @@ def _kernel_takes(queries: mx.array, keys: mx.array) -> bool:
             and keys.dtype in _KINDS and fits(G, queries.shape[-1])) or _refused:
         return False
     try:
+        wait_ahead()
         _compiled(keys.dtype, queries.shape[-1], G, WARPS, GROUPED)
         _verify(keys.dtype, queries.shape[-1], G, WARPS, GROUPED)
     except (NvrtcError, OSError, ValueError, RuntimeError) as e:
@@ -421,6 +422,15 @@ def _verify(dtype: mx.Dtype, D: int, G: int, warps: int, grouped: bool) -> None:
     error = max(mx.abs(out - expected).max().item(), mx.abs(lse - expected_lse).max().item())
     if not error <= TOLERANCE[dtype]:  # NaN fails too
         raise ValueError(f"its results differ from MLX's by {error:.3g} on a test input")
+
+
+def compile_call(dtype: mx.Dtype, D: int, G: int):
+    """The compile call of the variant decode steps of this shape take (None: none), to run
+    ahead of the first step (nvrtc.compile_ahead)."""
+    if not (ENABLED and dtype in _KINDS and dtype != mx.float32 and D in HEAD_DIMS
+            and fits(G, D)):
+        return None
+    return lambda: _compiled(dtype, D, G, WARPS, GROUPED)
 
 
 def fits(G: int, D: int) -> bool:

@@ -34,7 +34,7 @@ from functools import cache
 import mlx.core as mx
 
 from batchrun.engine.decode_attention import _as_float32, attend, on_cuda
-from batchrun.engine.nvrtc import NvrtcError, compile_ptx
+from batchrun.engine.nvrtc import NvrtcError, compile_ptx, wait_ahead
 
 log = logging.getLogger("batchrun")
 
@@ -293,12 +293,21 @@ def _kernel_takes(q: mx.array, keys: mx.array, values: mx.array) -> bool:
             or values.dtype != q.dtype or q.shape[-1] not in HEAD_DIMS:
         return False
     try:
+        wait_ahead()
         _compiled(q.dtype, q.shape[-1])
         _verify(q.dtype, q.shape[-1])
     except (NvrtcError, OSError, ValueError, RuntimeError) as e:
         _refuse(e)
         return False
     return True
+
+
+def compile_call(dtype: mx.Dtype, D: int):
+    """The compile call of the variant prefix parts of this shape take (None: none), to run
+    ahead of the first one (nvrtc.compile_ahead)."""
+    if not (ENABLED and dtype in _KINDS and D in HEAD_DIMS):
+        return None
+    return lambda: _compiled(dtype, D)
 
 
 def serves(q: mx.array, keys: mx.array, values: mx.array) -> bool:

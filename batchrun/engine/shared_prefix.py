@@ -193,6 +193,25 @@ class SharedPrefixBatchCache(BatchKVCache):
         return self._groups
 
 
+def attention_shape(model: Any) -> tuple[mx.Dtype, int, int] | None:
+    """(activation dtype, head dimension, query heads a KV head) of the model's attention, as
+    its first layer declares them (mlx-lm's attention modules keep n_heads, n_kv_heads and
+    scale = head_dim ** -0.5); None where it does not."""
+    from mlx.utils import tree_flatten
+
+    layers = getattr(model, "layers", None) or getattr(getattr(model, "model", None),
+                                                         "layers", None)
+    attention = getattr(layers[0], "self_attn", None) if layers else None
+    heads, kv_heads, scale = (getattr(attention, name, None)
+                              for name in ("n_heads", "n_kv_heads", "scale"))
+    if not (isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads
+            and heads % kv_heads == 0 and isinstance(scale, float) and scale > 0):
+        return None
+    dtype = next((a.dtype for _, a in tree_flatten(model.parameters())
+                  if a.dtype in (mx.bfloat16, mx.float16, mx.float32)), None)
+    return None if dtype is None else (dtype, round(scale ** -2), heads // kv_heads)
+
+
 def _length(prefix: SharedPrefix | None) -> int:
     return 0 if prefix is None else prefix.length
 
@@ -247,6 +266,7 @@ def attention_with_prefix(queries: mx.array, keys: mx.array, values: mx.array,
     else:
         scores = q @ keys.astype(mx.float32).swapaxes(-1, -2)  # (B, kv_heads, G*L, own)
         out, lse = attend(scores, values, _own_mask(mask, B, G, L, keys.shape[2]))
+    wide = False  # a prefill the kernel served that is worth evaluating layer by layer
     for prefix, rows in cache.groups():
         whole = len(rows) == B
         index = None if whole else mx.array(rows)
@@ -256,6 +276,7 @@ def attention_with_prefix(queries: mx.array, keys: mx.array, values: mx.array,
         raw = (queries if whole else queries[index]).reshape(len(rows), kv_heads, G * L, D)
         if prefix_attention.serves(raw, keys_p, values_p):  # CUDA: fused, tensor cores
             p_out, p_lse = prefix_attention.prefix_attention(raw, keys_p, values_p, scale)
+            wide |= raw.size // D * prefix.length > EVAL_CHUNKS_ABOVE
         elif on_cpu and q_rows.size // D * prefix.length >= HOST_MIN_SCORES:
             p_out, p_lse = _attend_prefix_host(q_rows, *prefix.host(cache.layer))
         elif FUSED_ON_METAL and not on_cpu and mx.metal.is_available():
@@ -273,7 +294,13 @@ def attention_with_prefix(queries: mx.array, keys: mx.array, values: mx.array,
     if sinks is not None:  # (n_heads,) -> each query row of (kv_heads, G * L)
         sink = mx.repeat(sinks.astype(mx.float32).reshape(kv_heads, G), L, axis=1)[None]
         out = out * mx.exp(lse - mx.logaddexp(lse, sink))[..., None]
-    return out.reshape(B, n_heads, L, D).astype(queries.dtype)
+    out = out.reshape(B, n_heads, L, D).astype(queries.dtype)
+    if wide:
+        # A whole prefill's graph, scheduled at once, keeps every layer's intermediates until
+        # the GPU is done with it (measured on the H200: 19.2 GiB peak against 7.1 for 512
+        # labeling rows); waiting here holds one layer's at a time.
+        mx.eval(out)
+    return out
 
 
 def _attend_prefix(q: mx.array, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
