@@ -2,9 +2,9 @@
 timestamps (seconds since the job loop started) printed to stderr for each feeder take,
 engine step, prefill call (rows, longest prompt), disk-cache read, shared-prefix build, a
 cold prefix's computation and tail computation, the warm-up and the attention kernels'
-compilation (a wait for the one started ahead, NVRTC's, the first-use check); and the process's phases (imports, model
-loading, engine start, job preparation, the job loop, exit) in seconds since the process
-started.
+compilation (a wait for the one started ahead, NVRTC's, the first-use check); and the
+process's phases (imports, model loading, engine start, job preparation, the job loop, exit)
+in seconds since the process started.
 
     python scripts/trace_job.py run ROWS.jsonl --model PATH --job-dir DIR [--cache-dir DIR] ...
 

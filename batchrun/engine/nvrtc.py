@@ -9,6 +9,7 @@ compiles to PTX here in a fraction of that, once per process, and runs through
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 from collections.abc import Callable
@@ -36,10 +37,8 @@ def compile_ahead(*calls: Callable[[], object]) -> None:
     that fails is left for its first use, which compiles again and reports it."""
     def run() -> None:
         for call in calls:
-            try:
+            with contextlib.suppress(Exception):  # the first use compiles again and reports
                 call()
-            except Exception:  # noqa: BLE001 - reported by the first use's own compile
-                pass
 
     if calls:
         thread = threading.Thread(target=run, name="batchrun-nvrtc", daemon=True)
