@@ -9,7 +9,8 @@ in seconds since the process started.
     python scripts/trace_job.py run ROWS.jsonl --model PATH --job-dir DIR [--cache-dir DIR] ...
 
 Also when the feeder's threads finished building the first and the last row. With
-TRACE_NO_WARM_UP=1 the engine's warm-up is skipped (to measure what it costs or saves).
+TRACE_NO_WARM_UP=1 the engine's warm-up is skipped (to measure what it costs or saves), with
+TRACE_NO_BACKEND_WARM_UP=1 only its rows under a shared prefix (text.TextBackend.warm_up).
 """
 
 import time
@@ -138,6 +139,8 @@ runner.JobRunner._build_task = build_timed(runner.JobRunner._build_task)
 atexit.register(report_built)
 if os.environ.get("TRACE_NO_WARM_UP") == "1":
     engine.Engine.warm_up = lambda self, cpu_too=False: None
+if os.environ.get("TRACE_NO_BACKEND_WARM_UP") == "1":  # only the warm-up's two plain rows
+    text.TextBackend.warm_up = lambda self: None
 
 if __name__ == "__main__":
     sys.argv = ["batchrun", *sys.argv[1:]]
