@@ -1,5 +1,8 @@
 #!/bin/bash
-# Session 11's third H200 call (set-up line: shared/gpu/README.md; /tmp/l1b built first): where a
+# Session 11's third H200 call, at commit 5fd9c61 (the engine's
+# warm-up then also ran two rows under a shared prefix, text.TextBackend.warm_up, which this call's
+# figures removed; TRACE_NO_BACKEND_WARM_UP skipped it). Set-up line: shared/gpu/README.md; /tmp/l1b
+# built first. Where a
 # labeling job's 1.5 s go now, and what the warm-up's rows under a shared prefix cost a decode job:
 # - labeling (512 rows, ~1.5k-token instruction, 8 new tokens; traced): a throwaway job, then on
 #   one warm cache: default, without the warm-up's shared-prefix rows, without any warm-up,

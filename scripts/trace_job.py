@@ -9,8 +9,7 @@ in seconds since the process started.
     python scripts/trace_job.py run ROWS.jsonl --model PATH --job-dir DIR [--cache-dir DIR] ...
 
 Also when the feeder's threads finished building the first and the last row. With
-TRACE_NO_WARM_UP=1 the engine's warm-up is skipped (to measure what it costs or saves), with
-TRACE_NO_BACKEND_WARM_UP=1 only its rows under a shared prefix (text.TextBackend.warm_up).
+TRACE_NO_WARM_UP=1 the engine's warm-up is skipped (to measure what it costs or saves).
 """
 
 import time
@@ -109,7 +108,6 @@ traced(text.TextBackend, "_extend", lambda a, r: f"{len(a[2])} tail tokens")
 traced(text.TextBackend, "compute_prefix", lambda a, r: f"{a[2]} prefix tokens")
 traced(text.TextBackend, "next", lambda a, r: f"prompt work {r[0]}, {len(r[1])} tokens")
 traced(engine.Engine, "warm_up")
-traced(text.TextBackend, "warm_up")
 traced(nvrtc, "wait_ahead")
 for kernel in (decode_attention, prefix_attention):
     traced(kernel, "_compiled")
@@ -139,8 +137,6 @@ runner.JobRunner._build_task = build_timed(runner.JobRunner._build_task)
 atexit.register(report_built)
 if os.environ.get("TRACE_NO_WARM_UP") == "1":
     engine.Engine.warm_up = lambda self, cpu_too=False: None
-if os.environ.get("TRACE_NO_BACKEND_WARM_UP") == "1":  # only the warm-up's two plain rows
-    text.TextBackend.warm_up = lambda self: None
 
 if __name__ == "__main__":
     sys.argv = ["batchrun", *sys.argv[1:]]

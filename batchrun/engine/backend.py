@@ -33,10 +33,6 @@ class Backend(Protocol):
         """Rows starting from cached blocks attend one shared copy (`copies`: each row holds
         a copy of them instead); whether they now share."""
 
-    def warm_up(self) -> None:
-        """Run the paths a job's rows will take that the engine's short warm-up rows do not
-        (their kernels compiled and checked before a row waits on them); nothing is kept."""
-
     def detokenizer(self) -> Any:
         """A new streaming detokenizer (add_token, text)."""
 

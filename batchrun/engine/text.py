@@ -111,21 +111,6 @@ class TextBackend:
         if self._speculator is not None and self._speculator.draft is not None:
             self._speculator.draft.reset()  # a fresh batch numbers its rows afresh
 
-    def warm_up(self) -> None:
-        """Rows under a shared prefix (when they share): two rows after a short prefix, one
-        prefill and one decode step, so the cascade attention's first use (on CUDA its
-        kernel's compilation and check, shared_prefix.py) is not inside a job's first wave."""
-        if not self.shares_prefix:
-            return
-        tokens = [i % self.vocab_size for i in range(1, 25)]
-        caches = make_prompt_cache(self.model)
-        self.model(mx.array(tokens[:16])[None], cache=caches)
-        prefix = SharedPrefix([c.keys[..., : c.offset, :] for c in caches],
-                              [c.values[..., : c.offset, :] for c in caches])
-        batch = [SharedPrefixBatchCache([prefix, prefix], layer) for layer in range(self._layers)]
-        mx.eval(self.model(mx.array([tokens[16:23], tokens[17:24]]), cache=batch))
-        mx.eval(self.model(mx.array([[tokens[0]], [tokens[1]]]), cache=batch))
-
     def speculate(self, speculator) -> None:
         """Decode narrow batches speculatively (speculate.py), from the next start()."""
         self._speculator = speculator

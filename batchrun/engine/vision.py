@@ -232,9 +232,6 @@ class VisionBackend:
     def share_prefixes(self, on: bool, copies: bool = False) -> bool:
         return False
 
-    def warm_up(self) -> None:
-        pass  # no path beyond the warm-up rows'
-
     def detokenizer(self) -> Any:
         return self._wrapped.detokenizer
 
