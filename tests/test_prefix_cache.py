@@ -178,6 +178,53 @@ def test_blocks_read_together_are_each_checked(tmp_path):
     assert found[keys[1]] is None and found[absent] is None and not middle.exists()
 
 
+def test_blocks_read_ahead_are_loaded_from_what_was_read_and_still_checked(tmp_path,
+                                                                          monkeypatch):
+    """A job's feeder asks for the first row's blocks while the engine warms up: their files
+    are read then, not again when the row is admitted, and a damaged one is still dropped."""
+    layout = BlockLayout(1, 1, 2, "F32")
+    disk = DiskCache.open(tmp_path, FP, 4, layout)
+    keys = block_keys(list(range(12)), 4, disk.root)
+    parents = [disk.root, *keys[:-1]]
+    blocks = [Block(keys[i], parents[i], tuple(range(4 * i, 4 * i + 4)),
+                    [mx.full((1, 1, 4, 2), float(i))], [mx.full((1, 1, 4, 2), -float(i))])
+              for i in range(3)]
+    disk.save(blocks)
+    middle = disk.folder / f"{keys[1].hex()}.safetensors"
+    middle.write_bytes(middle.read_bytes()[:-8])
+    cache = make_prefix_cache(FP, 1 << 30, tmp_path, block_size=4, layout=layout)
+    reads = []
+    real = cache.disk.files.read
+    monkeypatch.setattr(cache.disk.files, "read", lambda name, *a: reads.append(name) or
+                        real(name, *a))
+    cache.read_ahead(list(range(13)))
+    for read in list(cache.disk._ahead.values()):
+        read.result()
+    asked = len(reads)
+    assert asked == 3
+    found = cache.disk.load_many(keys)
+    assert len(reads) == asked and cache.disk._ahead == {}
+    assert found[keys[0]].tokens == (0, 1, 2, 3) and found[keys[2]].tokens == (8, 9, 10, 11)
+    assert found[keys[1]] is None and not middle.exists()
+
+
+def test_a_job_reads_its_first_rows_blocks_ahead_once(tmp_path, monkeypatch):
+    rows = write_rows(tmp_path / "rows.jsonl", 6)
+    cache = tmp_path / "cache"
+    cli_run(rows, "--job-dir", tmp_path / "a", "--cache-dir", cache)
+    asked = []
+    real = Engine.read_ahead
+    monkeypatch.setattr(Engine, "read_ahead", lambda self, prompt: asked.append(prompt) or
+                        real(self, prompt))
+    cli_run(rows, "--job-dir", tmp_path / "b", "--cache-dir", cache)
+    assert len(asked) == 1 and len(asked[0]) > 64  # the first row's prompt, once
+    a, b = ([orjson.loads(x)["text"] for x in (tmp_path / j / "results.jsonl").read_bytes()
+             .splitlines()] for j in "ab")
+    assert a == b
+    report = orjson.loads((tmp_path / "b" / "report.json").read_bytes())
+    assert report["cached_prompt_tokens"] >= 0.8 * report["prompt_tokens"]
+
+
 def write_rows(path: Path, n: int) -> Path:
     path.write_text("".join(orjson.dumps({"custom_id": f"r{i}", "messages": m,
                                           "max_tokens": 6}).decode() + "\n"

@@ -90,6 +90,8 @@ class DiskCache:
         self._writer: ThreadPoolExecutor | None = None
         self._writes: list[Future] = []
         self._lock = threading.Lock()  # the listing and counters, shared with the writer
+        self._ahead: dict[bytes, Future] = {}  # reads started by read_ahead, not yet loaded
+        self._ahead_lock = threading.Lock()  # _ahead and the readers' pool, any thread
 
     @classmethod
     def open(cls, cache_dir: Path, model_fingerprint: str, block_size: int,
@@ -133,17 +135,36 @@ class DiskCache:
         """The block stored under `key`, or None if absent or not trustworthy."""
         return self.load_many([key])[key]
 
+    def read_ahead(self, keys: list[bytes]) -> None:
+        """Start reading and checking these blocks' files on the reader threads (from any
+        thread: a job's feeder, while the engine warms up); `load_many` takes what they
+        read. The checks are the same: reading earlier trusts nothing more."""
+        listed = [k for k in keys if self._listed(_file_name(k))]
+        with self._ahead_lock:
+            pool = self._pool()
+            for key in listed:
+                if key not in self._ahead:
+                    self._ahead[key] = pool.submit(self._read, key)
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(READ_THREADS, "batchrun-cache-read")
+        return self._readers
+
     def load_many(self, keys: list[bytes]) -> dict[bytes, Block | None]:
         """Each key's stored block, or None if absent or not trustworthy; the files are read and
-        checked on several threads."""
+        checked on several threads (or were, by read_ahead)."""
         found: dict[bytes, Block | None] = dict.fromkeys(keys)
-        listed = [k for k in keys if self._listed(_file_name(k))]
-        if len(listed) > 1:
-            if self._readers is None:
-                self._readers = ThreadPoolExecutor(READ_THREADS, "batchrun-cache-read")
-            checked = list(self._readers.map(self._read, listed))
+        with self._ahead_lock:
+            ahead = {k: self._ahead.pop(k) for k in keys if k in self._ahead}
+        listed = [k for k in keys if k in ahead or self._listed(_file_name(k))]
+        if len(listed) - len(ahead) > 1:
+            with self._ahead_lock:
+                pool = self._pool()
+            reads = {k: pool.submit(self._read, k) for k in listed if k not in ahead}
+            checked = [(ahead.get(k) or reads[k]).result() for k in listed]
         else:
-            checked = [self._read(k) for k in listed]
+            checked = [ahead[k].result() if k in ahead else self._read(k) for k in listed]
         for key, verified in zip(listed, checked, strict=True):
             found[key] = self._block(key, verified)
         return found

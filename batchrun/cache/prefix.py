@@ -129,6 +129,13 @@ class PrefixCache:
             found.append(block)
         return found
 
+    def read_ahead(self, tokens: list[int], media: Media = ()) -> None:
+        """Start reading from disk the stored blocks `tokens` would use that are not in memory
+        (from any thread); `match` later finds them read."""
+        if self.disk is not None:
+            keys = self.keys_for(tokens, media)
+            self.disk.read_ahead([k for k in keys if k not in self.blocks])
+
     def count_lookup(self, n_blocks: int) -> None:
         """Record one admitted lookup that reused `n_blocks` blocks."""
         if n_blocks:

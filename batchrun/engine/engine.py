@@ -196,6 +196,12 @@ class Engine(Requests, CacheControl):
             self.scheduler.planner = planner
         self._start_figures()
 
+    def read_ahead(self, prompt: list[int]) -> None:
+        """Start reading from disk the cached prefix blocks of a text prompt about to be added
+        (from any thread: a job's feeder does while the engine warms up)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.read_ahead(prompt)
+
     def add_tokens(self, prompt: list[int], params: SamplingParams, inputs: Any = None) -> int:
         """Queue a request from token ids (and what the backend needs besides); its id."""
         seq = Sequence(next(self._ids), list(prompt), params, params.max_tokens, inputs,

@@ -254,6 +254,11 @@ class RowWork:
         if isinstance(task, Task):
             task.prompt_digest = _prompt_digest(
                 task.prompt_ids, task.vision.digests if task.vision is not None else ())
+            if task.vision is None and not self._read_ahead.is_set():
+                # The job's first row (a labeling job's shared instruction): its cached blocks
+                # are read from disk while the engine warms up, not after.
+                self._read_ahead.set()
+                self.engine.read_ahead(task.prompt_ids)
         return task
 
     def _submit(self, item: Task | RowError, sink, bar) -> None:
@@ -345,6 +350,7 @@ class JobRunner(RowWork):
         self._seen_ids: dict[bytes, int] = {}  # hash of an explicit row id -> its first line
         self._spilled: dict[int, Record] = {}  # rows finished past the frontier, from the spill
         self._parquet: ParquetOutput | None = None  # -o *.parquet, written as rows commit
+        self._read_ahead = threading.Event()  # the first row's cached blocks asked for
 
     # -- set-up ---------------------------------------------------------------------------------
 
