@@ -10,13 +10,12 @@ import time
 import mlx.core as mx
 import pytest
 from mlx_lm.models import llama
-from test_shared_prefix import FIRST, SECOND, rows, run, run_outputs
+from test_shared_prefix import FIRST, SECOND, rows, run
 
 from batchrun.engine import decode_attention as da
 from batchrun.engine import nvrtc, shared_prefix, text
 from batchrun.engine import prefix_attention as pa
 from batchrun.engine.nvrtc import NvrtcError
-from batchrun.engine.request import SamplingParams
 
 
 def inputs(rows=3, kv_heads=2, width=12, length=150, D=64, dtype=mx.float32, seed=0):
@@ -94,29 +93,6 @@ def test_greedy_tokens_do_not_change_when_the_prefix_part_takes_the_path(
     assert engine.get_cache_stats()["hit_tokens"] > 0
     assert tokens == expected
     assert counted and max(counted) > (1 if concurrency > 1 else 0)
-
-
-def test_a_warm_up_meets_the_prefix_part_before_any_row_when_rows_share_prefixes(
-        demo, monkeypatch, counted):
-    """On a GPU the kernel's first use (its check, its module's load) and the own part's and
-    merge's first ops would otherwise be in a job's first shared-prefix forward: the engine's
-    warm-up runs cascade attention on a few zeros, a prefill and a decode step, and keeps
-    nothing of it."""
-    chats = rows(FIRST, 4)
-    expected, _ = run(demo, chats, prefix=False)
-    monkeypatch.setattr(pa, "EVERYWHERE", True)
-    _, engine = run_outputs(demo, [])  # with a prefix cache: rows share prefixes
-    engine.warm_up(cpu_too=True)
-    assert counted == [2, 2]  # two rows: a prefill, then a decode step
-    stats = engine.get_cache_stats()
-    assert (stats["hits"], stats["misses"], stats["blocks"]) == (0, 0, 0)
-    assert engine.stats.requests_finished == 0
-    outs = engine.generate(chats, SamplingParams(max_tokens=10))
-    assert [o.token_ids for o in outs] == expected
-    counted.clear()
-    _, plain = run_outputs(demo, [], prefix=False)  # no prefix cache: no prefix to share
-    plain.warm_up(cpu_too=True)
-    assert not counted
 
 
 def test_without_a_compiler_the_prefix_part_keeps_mlxs_ops_with_one_warning(

@@ -33,10 +33,6 @@ class Backend(Protocol):
         """Rows starting from cached blocks attend one shared copy (`copies`: each row holds
         a copy of them instead); whether they now share."""
 
-    def warm_up(self) -> None:
-        """First uses in this process that the engine's warm-up rows do not meet (on a few
-        zeros, nothing kept)."""
-
     def detokenizer(self) -> Any:
         """A new streaming detokenizer (add_token, text)."""
 

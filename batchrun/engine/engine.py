@@ -178,8 +178,7 @@ class Engine(Requests, CacheControl):
 
     def warm_up(self, cpu_too: bool = False) -> None:
         """On a GPU: two short rows through the whole path (a padded prefill, decode steps,
-        batchrun's decode kernel compiled and checked), then what the backend's rows meet that
-        they do not (rows under a shared prefix: text.py), so that the process's first use of each
+        batchrun's decode kernel compiled and checked), so that the process's first use of each
         kernel overlaps the job's reading and tokenizing of rows instead of delaying its first
         prefill. Nothing reaches the prefix cache, and the engine's figures start afresh after
         it. Nothing to do on the CPU (unless `cpu_too`), or once rows are queued."""
@@ -193,7 +192,6 @@ class Engine(Requests, CacheControl):
                 self.add_tokens([i % self.backend.vocab_size for i in range(start, start + length)],
                                 SamplingParams(max_tokens=3))
             self.run()
-            self.backend.warm_up()
         finally:
             self.scheduler.planner = planner
         self._start_figures()

@@ -212,23 +212,6 @@ def attention_shape(model: Any) -> tuple[mx.Dtype, int, int] | None:
     return None if dtype is None else (dtype, round(scale ** -2), heads // kv_heads)
 
 
-def warm_up(dtype: mx.Dtype, heads: int, kv_heads: int, D: int) -> None:
-    """Cascade attention's first use in this process, on a few zeros: a prefill and a decode
-    step of two rows under an 8-token prefix (on CUDA the prefix kernel's check and module
-    load, and the first use of the own part's and the merge's ops). Measured on the H200, a
-    labeling job's first shared-prefix forward took 0.23-0.34 s after a warm-up without it
-    and 0.04 s after one with it; running whole rows through the model for it cost more."""
-    prefix = SharedPrefix([mx.zeros((1, kv_heads, 8, D), dtype)],
-                          [mx.zeros((1, kv_heads, 8, D), dtype)])
-    cache = SharedPrefixBatchCache([prefix, prefix], 0)
-    for L in (3, 1):  # as a model calls it: the mask first, then the layer's cache
-        mask = cache.make_mask(L)
-        keys, values = cache.update_and_fetch(mx.zeros((2, kv_heads, L, D), dtype),
-                                              mx.zeros((2, kv_heads, L, D), dtype))
-        mx.eval(attention_with_prefix(mx.zeros((2, heads, L, D), dtype), keys, values, cache,
-                                      D ** -0.5, mask))
-
-
 def _length(prefix: SharedPrefix | None) -> int:
     return 0 if prefix is None else prefix.length
 

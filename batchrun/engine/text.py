@@ -18,7 +18,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from batchrun.cache.prefix import Block, PrefixCache
-from batchrun.engine import decode_attention, prefix_attention, shared_prefix
+from batchrun.engine import decode_attention, prefix_attention
 from batchrun.engine.batch import LeanGenerationBatch
 from batchrun.engine.nvrtc import compile_ahead
 from batchrun.engine.postprocess import Step
@@ -110,14 +110,6 @@ class TextBackend:
             self._gen._generation_batch.speculator = self._speculator
         if self._speculator is not None and self._speculator.draft is not None:
             self._speculator.draft.reset()  # a fresh batch numbers its rows afresh
-
-    def warm_up(self) -> None:
-        """Rows that share prefixes attend them by cascade attention, which the engine's
-        warm-up rows (no cached prefix) do not: its first use, on a few zeros."""
-        shape = attention_shape(self.model) if self.shares_prefix else None
-        if shape is not None:
-            dtype, D, G = shape
-            shared_prefix.warm_up(dtype, G, 1, D)
 
     def speculate(self, speculator) -> None:
         """Decode narrow batches speculatively (speculate.py), from the next start()."""

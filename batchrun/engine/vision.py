@@ -232,9 +232,6 @@ class VisionBackend:
     def share_prefixes(self, on: bool, copies: bool = False) -> bool:
         return False
 
-    def warm_up(self) -> None:
-        pass  # its rows meet nothing the warm-up rows do not
-
     def detokenizer(self) -> Any:
         return self._wrapped.detokenizer
 
