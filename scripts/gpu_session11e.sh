@@ -1,5 +1,5 @@
 #!/bin/bash
-# Session 11's fifth H200 call (set-up line: shared/gpu/README.md; /tmp/l1b built first): the
+# Session 11's fifth H200 call, at commit 6de0d4a (reverted after it; set-up line: shared/gpu/README.md; /tmp/l1b built first): the
 # labeling jobs of gpu_session11d.sh after the engine's warm-up met cascade attention on a few
 # zeros (shared_prefix.warm_up): a throwaway job, cold and warm twice each, 4,096 rows warm.
 # Results: $OUT/traces.tgz and the printed summary.
