@@ -303,3 +303,23 @@ def test_ray_flag_without_ray_installed_says_how_to_install_it(tmp_path, monkeyp
     assert result.exit_code == 1
     assert "pip install -e '.[ray]'" in result.output  # as the README says
     assert "--model" not in result.output  # no unrelated hint
+
+
+def test_a_fault_building_a_workers_row_fails_its_slice_instead_of_hanging(monkeypatch):
+    """The actor's body, in this process: an unexpected error while its engine thread builds a
+    row reaches the waiting call (and so the driver) at once; it does not leave it waiting."""
+    import pickle
+
+    from batchrun.io.jsonl import RawRow
+    from batchrun.job.distributed import SliceWorker
+
+    worker = SliceWorker(None, EngineConfig(max_concurrency=4), RowOptions(), "demo", 0, False)
+
+    def broken(raw):
+        raise RuntimeError("row building broke")
+
+    monkeypatch.setattr(worker, "_build_task", broken)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="row building broke"):
+        worker.run_slice(pickle.dumps([RawRow(0, 1, {"prompt": "hi"})]))
+    assert time.monotonic() - started < 30

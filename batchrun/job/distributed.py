@@ -169,23 +169,26 @@ class SliceWorker(RowWork):
         """The engine thread: admit arriving slices, step the engine, route records."""
         bar = _NoBar()
         while True:
-            block = not self.engine.has_work()
             try:
-                job = self._inbox.get(block=block)
-                while True:
-                    self._take(job, bar)
-                    job = self._inbox.get_nowait()
-            except queue.Empty:
-                pass
-            try:
+                self._admit(bar)
                 for out in self.engine.step():
                     self._finish(out, self._sink, bar)
             except BaseException as e:  # fail every waiting call: the driver sees the error
-                self._failure = e
+                self._failure = e  # and every later call (run_slice)
                 for waiting in set(self._sink.owner.values()):
                     waiting.error = e
                     waiting.done.set()
-                raise
+                return
+
+    def _admit(self, bar) -> None:
+        """Take the slices that arrived (waiting for one while the engine is idle)."""
+        try:
+            job = self._inbox.get(block=not self.engine.has_work())
+            while True:
+                self._take(job, bar)
+                job = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
 
     def _take(self, job: _SliceJob, bar) -> None:
         if not job.rows:

@@ -248,6 +248,7 @@ class RowWork:
         self._done: OrderedDict[bytes, Output] = OrderedDict()
         self.deduplicated = 0
         self.models_requested: Counter[str] = Counter()  # OpenAI rows' body.model, answered
+        self._read_ahead = threading.Event()  # the first row's cached blocks asked for
 
     def _build_task(self, raw: RawRow) -> Task | RowError:
         task = build_task(raw.value, raw.index, raw.line, self.engine.prompts, self.row_options)
@@ -350,7 +351,6 @@ class JobRunner(RowWork):
         self._seen_ids: dict[bytes, int] = {}  # hash of an explicit row id -> its first line
         self._spilled: dict[int, Record] = {}  # rows finished past the frontier, from the spill
         self._parquet: ParquetOutput | None = None  # -o *.parquet, written as rows commit
-        self._read_ahead = threading.Event()  # the first row's cached blocks asked for
 
     # -- set-up ---------------------------------------------------------------------------------
 
