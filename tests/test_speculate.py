@@ -88,16 +88,39 @@ def test_rollback_drops_each_rows_last_tokens_and_keeps_positions(shared):
         cache, _ = filled_cache(3, 6)
     offsets = cache.offset.tolist()
     rollback([cache], [0, 2, 5])
+    # Each row holds exactly its kept tokens (their order within the row is not kept: the
+    # dropped slots are filled with the row's first kept ones)
     assert row_values(cache, 0) == [0, 1, 2, 3, 4, 5]
-    assert row_values(cache, 1) == [100, 101, 102, 103]
+    assert sorted(row_values(cache, 1)) == [100, 101, 102, 103]
     assert row_values(cache, 2) == [200]
     # RoPE positions of the next token follow each row's kept tokens
     assert cache.offset.tolist() == [offsets[0], offsets[1] - 2, offsets[2] - 5]
-    # and the next token lands right after them
+    # and the next token lands after them, every row's at the same slot
     new = mx.full((3, 2, 1, 4), 7.0)
     cache.update_and_fetch(new, new)
-    assert row_values(cache, 1) == [100, 101, 102, 103, 7]
+    assert row_values(cache, 0)[-1] == row_values(cache, 1)[-1] == 7
+    assert sorted(row_values(cache, 1)[:-1]) == [100, 101, 102, 103]
     assert row_values(cache, 2) == [200, 7]
+
+
+def test_attention_over_a_rolled_back_cache_sees_each_rows_kept_tokens_alone():
+    """A decode step's attention (the batch's mask) over the cache after rollback equals each
+    row's attention over its kept tokens in order: the moved slots change nothing it sees."""
+    mx.random.seed(3)
+    cache = BatchKVCache([0, 2, 1])
+    keys, values = mx.random.normal((3, 2, 9, 4)), mx.random.normal((3, 2, 9, 4))
+    cache.update_and_fetch(keys, values)
+    rollback([cache], [1, 4, 2])
+    q = mx.random.normal((3, 2, 1, 4))
+    new_k, new_v = mx.random.normal((3, 2, 1, 4)), mx.random.normal((3, 2, 1, 4))
+    mask = cache.make_mask(1)
+    k_all, v_all = cache.update_and_fetch(new_k, new_v)
+    out = mx.fast.scaled_dot_product_attention(q, k_all, v_all, scale=0.5, mask=mask)
+    for row, (start, kept) in enumerate([(0, 8), (2, 3), (1, 6)]):
+        k = mx.concatenate([keys[row:row + 1, :, start:start + kept], new_k[row:row + 1]], 2)
+        v = mx.concatenate([values[row:row + 1, :, start:start + kept], new_v[row:row + 1]], 2)
+        alone = mx.fast.scaled_dot_product_attention(q[row:row + 1], k, v, scale=0.5)
+        assert mx.allclose(out[row:row + 1], alone, atol=1e-5)
 
 
 # -- same tokens as plain decoding --------------------------------------------------------------
