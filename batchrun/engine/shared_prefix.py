@@ -14,7 +14,8 @@ It plugs into mlx-lm's models without forking them: through the cache objects th
 attention function their modules share (`scaled_dot_product_attention`, wrapped per model
 module by `install`). A batch without a shared prefix takes MLX's fused attention as before;
 on CUDA, decode steps of these batch caches (shared prefix or not) take each row's key range
-instead of a mask (decode_attention.py), for the rows' own part here too.
+instead of a mask (decode_attention.py), for the rows' own part here too, and the prefix part
+of a half-precision model is a flash-attention kernel on tensor cores (prefix_attention.py).
 """
 
 from __future__ import annotations
