@@ -7,8 +7,8 @@ the first request to the last output; the model and draft loaded once, a warm-up
 - few: 8 sample questions (sample_data/prompts.jsonl, not its weather-tool rows), greedy,
   max_tokens 256 (the model ends its answers itself); plain, then --draft-model with 4 and 6
   guesses, then ngram; few_sampled: the same rows sampled (temperature 0.7, seeded);
-- extract: 16 rows whose answer copies the prompt (a reference text of reviews and facts, and
-  the request to copy it, as lessons.py teaches), max_tokens 128; plain, ngram, draft;
+- extract: 16 rows whose answer copies a span of the prompt (a reference text holding the
+  facts the model answers from, then the question), max_tokens 128; plain, ngram, draft;
 - tail: 512 sample questions at the CPU's default concurrency; the tail is the time from the
   461st finished row (90%) to the last; plain, then draft (speculating by measurement);
 - full: 256 rows of the random-weight demo model (the trained draft's tokenizer), 48 tokens
@@ -20,7 +20,6 @@ and prints a table of median seconds and ratios.
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
@@ -38,7 +37,7 @@ from batchrun.models import (  # noqa: E402
     RANDOM_DEMO_MODEL,
     load_model,
 )
-from batchrun.models.lessons import COPY_TASKS, copy_request, reference_text  # noqa: E402
+from batchrun.models.lessons import FACTS  # noqa: E402
 
 
 def questions(n: int, tools: bool = True) -> list[list[dict]]:
@@ -50,11 +49,16 @@ def questions(n: int, tools: bool = True) -> list[list[dict]]:
 
 
 def extraction(n: int) -> list[list[dict]]:
-    """A reference text (reviews and facts, drawn from a seed the training never used) and
-    the request to copy it: the lessons' copying task (lessons.copy_chat)."""
-    rng = random.Random(2026)
-    return [copy_request(reference_text(rng), COPY_TASKS[i % len(COPY_TASKS)])
-            for i in range(n)]
+    """A reference text holding the answer (the facts the model learned), then the task."""
+    topics = sorted(FACTS)
+    out = []
+    for i in range(n):
+        topic = topics[i % len(topics)]
+        task = "Explain {t} in two sentences." if i % 2 else "List three facts about {t}."
+        reference = " ".join(FACTS[topic][0])
+        out.append([{"role": "system", "content": f"Reference: {reference}"},
+                    {"role": "user", "content": task.format(t=topic)}])
+    return out
 
 
 SYSTEMS = {"plain": ("off", 4), "draft4": ("draft", 4), "draft6": ("draft", 6),

@@ -6,9 +6,6 @@ as the sample data (build.py), so the demo answers the sample jobs sensibly.
 - questions: build.TASKS about build.TOPICS, answered from a few facts a topic written here;
 - tools: "What is the weather in <city>?" with the sample's get_weather tool, answered with a
   tool call; without tools, a sentence saying there is no weather tool;
-- copying: a reference text (reviews, facts) in the system turn and a request to copy it,
-  answered with the reference word for word (answers that copy spans of their prompt, which
-  prompt-lookup speculation guesses);
 - text: reviews and answers as plain text, for raw prompts.
 
 Every example is a list of chat messages (the model learns the assistant turns) or a plain
@@ -187,32 +184,6 @@ def weather_chat(rng: random.Random) -> tuple[list[dict], list[dict] | None]:
                    "content": "I cannot check the weather: I have no weather tool."}], None
 
 
-COPY_TASKS = ["Copy the reference exactly.", "Repeat the reference word for word."]
-
-
-def reference_text(rng: random.Random) -> str:
-    """A review or a topic's facts, or two of them, as one reference (short: a training
-    batch is as wide as its longest example)."""
-    parts = []
-    for _ in range(rng.randint(1, 2)):
-        if rng.random() < 0.6:
-            parts.append(review(rng)[1])
-        else:
-            parts.append(" ".join(FACTS[rng.choice(TOPICS)][0]))
-    return " ".join(parts)
-
-
-def copy_request(reference: str, task: str) -> list[dict]:
-    return [{"role": "system", "content": f"Reference: {reference}"},
-            {"role": "user", "content": task}]
-
-
-def copy_chat(rng: random.Random) -> list[dict]:
-    reference = reference_text(rng)
-    return copy_request(reference, rng.choice(COPY_TASKS)) + [
-        {"role": "assistant", "content": reference}]
-
-
 def text_line(rng: random.Random) -> str:
     if rng.random() < 0.5:
         return review(rng)[1]
@@ -232,8 +203,6 @@ def examples(seed: int, n: int) -> list[tuple[list[dict] | str, list[dict] | Non
             out.append((question_chat(rng), None))
         elif kind < 0.82:
             out.append(weather_chat(rng))
-        elif kind < 0.88:
-            out.append((copy_chat(rng), None))
         else:
             out.append((text_line(rng), None))
     return out
