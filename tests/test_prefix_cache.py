@@ -206,6 +206,13 @@ def test_blocks_read_ahead_are_loaded_from_what_was_read_and_still_checked(tmp_p
     assert len(reads) == asked and cache.disk._ahead == {}
     assert found[keys[0]].tokens == (0, 1, 2, 3) and found[keys[2]].tokens == (8, 9, 10, 11)
     assert found[keys[1]] is None and not middle.exists()
+    # Reads nobody asks for are not kept: past the first absent block, or after closing.
+    cache.read_ahead(list(range(13)))
+    cache.disk.load_many(keys[:1])
+    assert cache.disk._ahead == {}
+    cache.disk.close()
+    cache.read_ahead(list(range(13)))  # a feeder thread may still ask: nothing happens
+    assert cache.disk._ahead == {}
 
 
 def test_a_job_reads_its_first_rows_blocks_ahead_once(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ from mlx_lm.models.cache import BatchKVCache
 from batchrun.cache import block_layout, make_prefix_cache
 from batchrun.engine import speculate
 from batchrun.engine.engine import Engine
-from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.engine.request import Constraint, EngineConfig, SamplingParams
 from batchrun.engine.shared_prefix import SharedPrefix, SharedPrefixBatchCache
 from batchrun.engine.speculate import Speculator, ngram_proposal, rollback
 from batchrun.models import DEMO_DRAFT_MODEL, DEMO_MODEL, load_model
@@ -207,6 +207,35 @@ def test_rows_reporting_logprobs_keep_them_exact_beside_speculating_rows(pair):
         assert np.allclose(a.logprobs, b.logprobs, atol=1e-4)
         assert [[t for t, _ in top] for top in a.top_logprobs] == \
             [[t for t, _ in top] for top in b.top_logprobs]
+
+
+def test_choices_rows_joining_a_speculating_batch_score_their_choices_on_their_prompt(pair):
+    """A choices row guesses nothing and so drops its verification slots, while the rows beside
+    it keep guesses: its KV is then read in token order to score its choices (choices.py),
+    which a rollback that reorders a row's slots would break."""
+    choices = ["positive", "negative", "neutral"]
+    config = EngineConfig(max_concurrency=8, speculate="draft",
+                          draft_model=str(DEMO_DRAFT_MODEL))
+    engine = Engine(pair.model, pair.tokenizer, config, pair.context_length)
+    engine.speculator.adaptive = False
+    for chat in chats()[:4]:
+        engine.add_request(messages=chat, params=SamplingParams(max_tokens=64))
+    outs = [o for _ in range(3) for o in engine.step()]  # the free rows are speculating
+    prompts = [f"Review: the kettle is {w}. Label:" for w in ("great", "awful", "fine", "loud")]
+    ids = [engine.add_request(p, SamplingParams(constraint=Constraint.choices(choices)))
+           for p in prompts]
+    outs += engine.run()
+    assert engine.stats.speculation.accepted > 0
+    by_id = {o.request_id: o for o in outs}
+    for prompt, request_id in zip(prompts, ids, strict=True):
+        prompt_ids = pair.tokenizer.encode(prompt)
+        for choice in choices:
+            tokens = pair.tokenizer.encode(choice, add_special_tokens=False)
+            logits = pair.model(mx.array(prompt_ids + tokens)[None])[0].astype(mx.float32)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            expected = sum(logprobs[len(prompt_ids) - 1 + i, t].item()
+                           for i, t in enumerate(tokens))
+            assert by_id[request_id].choice_logprobs[choice] == pytest.approx(expected, abs=1e-3)
 
 
 def test_rows_sharing_a_cached_prefix_speculate_to_the_same_tokens(pair, tmp_path):

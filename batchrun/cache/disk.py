@@ -92,6 +92,7 @@ class DiskCache:
         self._lock = threading.Lock()  # the listing and counters, shared with the writer
         self._ahead: dict[bytes, Future] = {}  # reads started by read_ahead, not yet loaded
         self._ahead_lock = threading.Lock()  # _ahead and the readers' pool, any thread
+        self._closed = False
 
     @classmethod
     def open(cls, cache_dir: Path, model_fingerprint: str, block_size: int,
@@ -123,6 +124,11 @@ class DiskCache:
         return cls(files, model_fingerprint, block_size, layout, cap_bytes)
 
     def close(self) -> None:
+        with self._ahead_lock:
+            self._closed = True
+            for future in self._ahead.values():
+                future.cancel()
+            self._ahead.clear()
         self.flush()
         for pool in (self._readers, self._writer):
             if pool is not None:
@@ -141,10 +147,11 @@ class DiskCache:
         read. The checks are the same: reading earlier trusts nothing more."""
         listed = [k for k in keys if self._listed(_file_name(k))]
         with self._ahead_lock:
+            if self._ahead or self._closed:  # one prompt's blocks at a time
+                return
             pool = self._pool()
             for key in listed:
-                if key not in self._ahead:
-                    self._ahead[key] = pool.submit(self._read, key)
+                self._ahead[key] = pool.submit(self._read, key)
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._readers is None:
@@ -157,6 +164,10 @@ class DiskCache:
         found: dict[bytes, Block | None] = dict.fromkeys(keys)
         with self._ahead_lock:
             ahead = {k: self._ahead.pop(k) for k in keys if k in self._ahead}
+            if ahead:  # the rest were past the prompt's first absent block: never asked for
+                for future in self._ahead.values():
+                    future.cancel()
+                self._ahead.clear()
         listed = [k for k in keys if k in ahead or self._listed(_file_name(k))]
         if len(listed) - len(ahead) > 1:
             with self._ahead_lock:
@@ -199,17 +210,19 @@ class DiskCache:
         return block
 
     def _listed(self, name: str) -> bool:
-        """Whether `name` may be in the folder (True when it cannot be listed)."""
-        now = time.monotonic()
-        if self._listing is None or now - self._listed_at > LISTING_TTL_S:
-            try:
-                self._listing = self.files.names()
-            except OSError as e:
-                self._io_warning("list", e)
-                self._listing = None
-                return True
-            self._listed_at = now
-        return name in self._listing
+        """Whether `name` may be in the folder (True when it cannot be listed). Any thread:
+        two listings of one folder descriptor at once would share its read position."""
+        with self._lock:
+            now = time.monotonic()
+            if self._listing is None or now - self._listed_at > LISTING_TTL_S:
+                try:
+                    self._listing = self.files.names()
+                except OSError as e:
+                    self._io_warning("list", e)
+                    self._listing = None
+                    return True
+                self._listed_at = now
+            return name in self._listing
 
     def stored_keys(self) -> list[bytes]:
         """Keys of the stored blocks, least recently used first (unverified: `load` checks)."""

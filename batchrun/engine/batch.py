@@ -241,7 +241,7 @@ class LeanGenerationBatch(GenerationBatch):
                 n += 1
             kept.append(n)
         drop = [k - n for n in kept]
-        rollback(self.prompt_cache, drop)
+        rollback(self.prompt_cache, drop, [uid in self.logprob_uids for uid in self.uids])
         if spec.method == "draft":
             spec.draft.rollback(drop)
         emitted = [[pending[i], *proposed[i][:n]] for i, n in enumerate(kept)]

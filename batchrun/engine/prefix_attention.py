@@ -45,6 +45,8 @@ ENABLED = os.environ.get("BATCHRUN_PREFIX_KERNEL", "1") != "0"
 EVERYWHERE = False
 HEAD_DIMS = (64, 128)
 QUERIES_A_BLOCK = 64  # 4 warps of 16 queries
+# Queries of a KV head a call may hold: the launch's grid counts threads (two a query) in an int.
+MAX_QUERIES = 2 ** 30
 # mma.sync's m16n8k16 shape for 16-bit inputs, and ldmatrix: Ampere (8.0) on.
 OLDEST_ARCH = 80
 
@@ -315,22 +317,25 @@ def serves(q: mx.array, keys: mx.array, values: mx.array) -> bool:
     of the keys, and the kernel on CUDA for this dtype and head dimension (EVERYWHERE:
     `reference` elsewhere)."""
     if not ENABLED or keys.shape[2] == 0 or values.shape[-1] != q.shape[-1] \
-            or q.shape[0] * q.shape[2] >= 2 ** 31:
+            or q.shape[0] * q.shape[2] >= MAX_QUERIES:
         return False
     return EVERYWHERE or _kernel_takes(q, keys, values)
 
 
 def prefix_attention(q: mx.array, keys: mx.array, values: mx.array, scale: float
-                     ) -> tuple[mx.array, mx.array]:
+                     ) -> tuple[mx.array, mx.array] | None:
     """Every row's queries q (rows, kv_heads, width, D), unscaled, against one prefix's keys
     and values (1, kv_heads, length, D), with no mask: (output (rows, kv_heads, width, D),
-    log-sum-exp (rows, kv_heads, width)), float32. The kernel on CUDA, else `reference`."""
+    log-sum-exp (rows, kv_heads, width)), float32. The kernel on CUDA (EVERYWHERE: `reference`
+    where it does not run); None when MLX refused its launch (logged once): the caller's MLX
+    ops then bound their score matrix, which `reference` does not."""
     if _kernel_takes(q, keys, values):
         try:
             return _launch(q, keys, values, scale)
         except (ValueError, RuntimeError) as e:  # MLX refused the launch: keep MLX's ops
             _refuse(e)
-    return reference(q, keys, values, scale)
+            return None
+    return reference(q, keys, values, scale) if EVERYWHERE else None
 
 
 def reference(q: mx.array, keys: mx.array, values: mx.array, scale: float

@@ -275,9 +275,11 @@ def attention_with_prefix(queries: mx.array, keys: mx.array, values: mx.array,
         on_cpu = mx.default_device() == mx.cpu
         keys_p, values_p = prefix.keys[cache.layer], prefix.values[cache.layer]
         raw = (queries if whole else queries[index]).reshape(len(rows), kv_heads, G * L, D)
-        if prefix_attention.serves(raw, keys_p, values_p):  # CUDA: fused, tensor cores
-            p_out, p_lse = prefix_attention.prefix_attention(raw, keys_p, values_p, scale)
-            wide |= raw.size // D * prefix.length > EVAL_CHUNKS_ABOVE
+        fused = prefix_attention.prefix_attention(raw, keys_p, values_p, scale) \
+            if prefix_attention.serves(raw, keys_p, values_p) else None
+        if fused is not None:  # CUDA: fused, on tensor cores
+            p_out, p_lse = fused
+            wide |= L > 1 and raw.size // D * prefix.length > EVAL_CHUNKS_ABOVE
         elif on_cpu and q_rows.size // D * prefix.length >= HOST_MIN_SCORES:
             p_out, p_lse = _attend_prefix_host(q_rows, *prefix.host(cache.layer))
         elif FUSED_ON_METAL and not on_cpu and mx.metal.is_available():

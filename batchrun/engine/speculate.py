@@ -79,7 +79,7 @@ def speculates(caches: list) -> bool:
     return all(isinstance(c, TRIMMABLE) for c in caches)
 
 
-def rollback(caches: list, drop: list[int]) -> None:
+def rollback(caches: list, drop: list[int], ordered: list[bool] | None = None) -> None:
     """Drop each row's last `drop[i]` tokens from every layer's batch cache: all rows cut back
     by the least of them (`trim`), then each row's `e` extra dropped slots at the end are
     filled with its first `e` kept keys and values, and its left padding grows by `e` (its
@@ -89,13 +89,20 @@ def rollback(caches: list, drop: list[int]) -> None:
     this 2-core CPU (scripts/probe_speculation.py costs). The kept keys are no longer in token
     order within the row, which attention does not see (each key carries its position's
     rotation; the mask is each row's range): a speculating batch's KV is never stored as
-    prefix blocks."""
+    prefix blocks. Rows `ordered` marks (a choices row's KV is read in token order to score
+    its choices, choices.py) keep their order: when one of them drops more than the least,
+    every row rolls as before."""
     least = min(drop)
     extra = [d - least for d in drop]
     for c in caches:
         if least:
             c.trim(least)
     if not any(extra):
+        return
+    if ordered and any(o and e for o, e in zip(ordered, extra, strict=True)):
+        for c in caches:
+            c.prepare(right_padding=extra)
+            c.finalize()
         return
     end = caches[0]._idx
     rows, src, dst = [], [], []
