@@ -6,7 +6,8 @@ Each workload runs its systems interleaved, `--reps` times, in one process (engi
 the first request to the last output; the model and draft loaded once, a warm-up first):
 - few: 8 sample questions (sample_data/prompts.jsonl, not its weather-tool rows), greedy,
   max_tokens 256 (the model ends its answers itself); plain, then --draft-model with 4 and 6
-  guesses, then ngram; few_sampled: the same rows sampled (temperature 0.7, seeded);
+  guesses, then ngram (and with --other-draft PATH, that draft with 4 and 6 guesses);
+  few_sampled: the same rows sampled (temperature 0.7, seeded);
 - extract: 16 rows whose answer copies a span of the prompt (a reference text holding the
   facts the model answers from, then the question), max_tokens 128; plain, ngram, draft;
 - tail: 512 sample questions at the CPU's default concurrency; the tail is the time from the
@@ -62,7 +63,9 @@ def extraction(n: int) -> list[list[dict]]:
 
 
 SYSTEMS = {"plain": ("off", 4), "draft4": ("draft", 4), "draft6": ("draft", 6),
-           "ngram": ("ngram", 4), "draft": ("draft", 4)}
+           "ngram": ("ngram", 4), "draft": ("draft", 4),
+           "other4": ("other", 4), "other6": ("other", 6)}  # --other-draft's
+DRAFTS = {"draft": DEMO_DRAFT_MODEL}
 WORKLOADS = {
     # name: (target, rows, params, concurrency, systems)
     "few": (DEMO_MODEL, lambda: questions(8, tools=False), SamplingParams(max_tokens=256), 8,
@@ -81,8 +84,9 @@ WORKLOADS = {
 
 def run_once(lm, chats, params, concurrency, system) -> dict:
     method, k = SYSTEMS[system]
-    config = EngineConfig(max_concurrency=concurrency, speculate=method, draft_tokens=k,
-                          draft_model=str(DEMO_DRAFT_MODEL) if method == "draft" else None,
+    config = EngineConfig(max_concurrency=concurrency,
+                          speculate="draft" if method == "other" else method, draft_tokens=k,
+                          draft_model=str(DRAFTS[method]) if method in DRAFTS else None,
                           prefix_cache=False)
     engine = Engine(lm.model, lm.tokenizer, config, lm.context_length)
     ids = [engine.add_request(messages=c, params=params) for c in chats]
@@ -107,11 +111,18 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--workloads", default="few,few_sampled,extract,tail,full")
+    parser.add_argument("--other-draft", type=Path,
+                        help="a second draft model, run beside the demo's in `few` (other4, "
+                             "other6)")
     args = parser.parse_args()
+    if args.other_draft:
+        DRAFTS["other"] = args.other_draft
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
     for name in args.workloads.split(","):
         target, rows, params, concurrency, systems = WORKLOADS[name]
+        if name == "few" and args.other_draft:
+            systems = (*systems, "other4", "other6")
         lm = load_model(str(target))
         chats = rows()
         run_once(lm, chats[:4], SamplingParams(max_tokens=8), concurrency, "draft4")  # warm-up

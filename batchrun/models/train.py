@@ -32,7 +32,7 @@ from batchrun.models import build, lessons
 
 SHAPES = {
     "target": build.Shape(192, 4, 512, 6, 2),
-    "draft": build.Shape(96, 2, 256, 3, 1),
+    "draft": build.Shape(96, 1, 256, 3, 1),  # one layer: a draft forward is mostly per-op cost
 }
 BATCH = 16
 LENGTH_STEP = 32  # batches are padded to a multiple of this (few shapes to compile)
