@@ -19,7 +19,6 @@ dispatch and the source's compilation.
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import batchrun  # noqa: F401
@@ -29,6 +28,9 @@ import mlx.core as mx
 
 from batchrun.engine import prefix_attention as pa
 from batchrun.engine import shared_prefix
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from check_decode_kernel import timed  # noqa: E402  (milliseconds a call, warmed up)
 
 TOLERANCE = {mx.float16: 4e-3, mx.bfloat16: 2.5e-2}
 
@@ -60,16 +62,6 @@ def correctness() -> list[dict]:
         print(json.dumps(result), flush=True)
         results.append(result)
     return results
-
-
-def timed(call, reps: int) -> float:
-    """Milliseconds a call, after three warm-up calls."""
-    for _ in range(3):
-        mx.eval(call())
-    start = time.perf_counter()
-    for _ in range(reps):
-        mx.eval(call())
-    return (time.perf_counter() - start) / reps * 1000
 
 
 def timing(what: str, rows: int, width: int, length: int, kv_heads=8, D=64, reps=20) -> dict:
