@@ -104,7 +104,7 @@ class RunOptions:
     # draft_model is given, else off).
     speculate: str | None = None
     draft_model: str | None = None
-    draft_tokens: int = 4
+    draft_tokens: int = 6  # speculate.DEFAULT_DRAFT_TOKENS
     restart: bool = False
     quiet: bool = True
     ray_address: str | None = None

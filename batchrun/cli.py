@@ -201,7 +201,7 @@ def _show_warnings() -> None:
 @click.option("--draft-model", default=None,
               help="a small model sharing the model's tokenizer, guessing tokens for "
                    "--speculate draft")
-@click.option("--draft-tokens", type=click.IntRange(1, 16), default=4, show_default=True,
+@click.option("--draft-tokens", type=click.IntRange(1, 16), default=6, show_default=True,
               help="tokens a row guesses ahead each speculative step")
 @click.option("--restart", is_flag=True, help="discard earlier progress of this job")
 @click.option("--quiet", is_flag=True, help="no progress bar")

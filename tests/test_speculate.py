@@ -287,6 +287,19 @@ def test_a_narrow_batch_speculates_only_while_it_measures_cheaper(monkeypatch, s
 
 # -- settings and errors ------------------------------------------------------------------------
 
+def test_the_guesses_a_step_default_alike_everywhere():
+    """The command line, the Python API and the engine start from one default."""
+    import click
+
+    from batchrun import api
+    from batchrun.cli import cli
+
+    option = next(p for p in cli.commands["run"].params if p.name == "draft_tokens")
+    assert isinstance(option, click.Option)
+    assert option.default == api.RunOptions().draft_tokens == EngineConfig().draft_tokens \
+        == speculate.DEFAULT_DRAFT_TOKENS
+
+
 def test_bad_speculation_settings_name_the_field():
     with pytest.raises(ValueError, match="speculate"):
         EngineConfig(speculate="medusa")

@@ -160,7 +160,7 @@ class EngineConfig:
     # row a step.
     speculate: str = "off"
     draft_model: str | None = None
-    draft_tokens: int = 4
+    draft_tokens: int = 6  # speculate.DEFAULT_DRAFT_TOKENS
 
     def __post_init__(self) -> None:
         _check(self.max_concurrency is None or self.max_concurrency >= 1, "max_concurrency",

@@ -39,7 +39,9 @@ from batchrun.engine.request import SpeculationStats
 log = logging.getLogger("batchrun")
 
 METHODS = ("off", "ngram", "draft")
-DEFAULT_DRAFT_TOKENS = 4
+# Guesses a row a step: 6 measured faster than 4 in every run on the demo pair (this CPU,
+# BENCHMARKS.md "A one-layer draft"); the cap on verified tokens still bounds a step.
+DEFAULT_DRAFT_TOKENS = 6
 NGRAM_LONGEST = 3  # the longest suffix matched first, down to NGRAM_SHORTEST tokens
 # Rows x (k + 1) tokens a verification forward may hold: below it a step's cost is mostly the
 # weights' read (or, on a CPU with a small model, the per-call overhead), so checking k guesses
