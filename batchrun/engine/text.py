@@ -75,8 +75,8 @@ class TextBackend:
 
     def _compile_kernels_ahead(self) -> None:
         """The attention kernels this model's rows will take, compiled on a thread while the
-        job starts (their first use waits for it): a job's warm-up paid ~0.1-0.2 s a kernel
-        on the H200 host otherwise, while the feeder had its rows ready."""
+        job starts (their first use waits for it), not inside the job's warm-up: 0.04 and
+        0.015 s on the H200 host, ~0.15 s a kernel on a 2-core CPU."""
         shape = attention_shape(self.model)
         if shape is None:
             return
