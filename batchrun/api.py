@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from batchrun.engine.load import load_engine
-from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.engine.request import DEFAULT_DRAFT_TOKENS, EngineConfig, SamplingParams
 from batchrun.io.files import fsync_folder
 from batchrun.models import MissingExtra  # re-exported: the CLI catches it
 
@@ -104,7 +104,7 @@ class RunOptions:
     # draft_model is given, else off).
     speculate: str | None = None
     draft_model: str | None = None
-    draft_tokens: int = 6  # speculate.DEFAULT_DRAFT_TOKENS
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS
     restart: bool = False
     quiet: bool = True
     ray_address: str | None = None

@@ -201,6 +201,8 @@ def _show_warnings() -> None:
 @click.option("--draft-model", default=None,
               help="a small model sharing the model's tokenizer, guessing tokens for "
                    "--speculate draft")
+# default: engine.request.DEFAULT_DRAFT_TOKENS, written out (the CLI imports no engine module
+# before it must; a test checks they agree)
 @click.option("--draft-tokens", type=click.IntRange(1, 16), default=6, show_default=True,
               help="tokens a row guesses ahead each speculative step")
 @click.option("--restart", is_flag=True, help="discard earlier progress of this job")

@@ -34,14 +34,11 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from batchrun.engine.request import SpeculationStats
+from batchrun.engine.request import DEFAULT_DRAFT_TOKENS, SpeculationStats
 
 log = logging.getLogger("batchrun")
 
 METHODS = ("off", "ngram", "draft")
-# Guesses a row a step: 6 measured faster than 4 in every run on the demo pair (this CPU,
-# BENCHMARKS.md "A one-layer draft"); the cap on verified tokens still bounds a step.
-DEFAULT_DRAFT_TOKENS = 6
 NGRAM_LONGEST = 3  # the longest suffix matched first, down to NGRAM_SHORTEST tokens
 # Rows x (k + 1) tokens a verification forward may hold: below it a step's cost is mostly the
 # weights' read (or, on a CPU with a small model, the per-call overhead), so checking k guesses
