@@ -35,3 +35,15 @@ def committed_rows(job: Path) -> int:
 
 def line_count(path: Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def choice_logprob(lm, prompt: str, choice: str) -> float:
+    """A choice's log-probability after a prompt, from one uncached forward of the model over
+    both: the sum of its tokens' log-probabilities (what choices.py reports)."""
+    import mlx.core as mx
+
+    ids = lm.tokenizer.encode(prompt)
+    tokens = lm.tokenizer.encode(choice, add_special_tokens=False)
+    logits = lm.model(mx.array(ids + tokens)[None])[0].astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return sum(logprobs[len(ids) - 1 + i, t].item() for i, t in enumerate(tokens))

@@ -7,12 +7,11 @@ import shutil
 from pathlib import Path
 
 import jsonschema
-import mlx.core as mx
 import orjson
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
-from helpers import jsonl, run, write_rows
+from helpers import choice_logprob, jsonl, run, write_rows
 
 from batchrun.cli import cli
 from batchrun.engine.constrain import Constraint
@@ -101,13 +100,9 @@ def test_choice_probabilities_are_the_models_sequence_probabilities(demo):
     outs = engine.run()[::2]
     assert any(len(demo.tokenizer.encode(c, add_special_tokens=False)) > 1 for c in CHOICES)
     for prompt, out in zip(prompts, outs, strict=True):
-        ids = demo.tokenizer.encode(prompt)
         for choice in CHOICES:
-            tokens = demo.tokenizer.encode(choice, add_special_tokens=False)
-            logits = demo.model(mx.array(ids + tokens)[None])[0].astype(mx.float32)
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            expected = sum(logprobs[len(ids) - 1 + i, t].item() for i, t in enumerate(tokens))
-            assert out.choice_logprobs[choice] == pytest.approx(expected, abs=1e-3)
+            assert out.choice_logprobs[choice] == pytest.approx(
+                choice_logprob(demo, prompt, choice), abs=1e-3)
         assert out.text in CHOICES and out.constraint_complete
 
 

@@ -9,7 +9,7 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import jsonl, run, write_rows
+from helpers import choice_logprob, jsonl, run, write_rows
 from mlx_lm.models.cache import BatchKVCache
 
 from batchrun.cache import block_layout, make_prefix_cache
@@ -228,14 +228,9 @@ def test_choices_rows_joining_a_speculating_batch_score_their_choices_on_their_p
     assert engine.stats.speculation.accepted > 0
     by_id = {o.request_id: o for o in outs}
     for prompt, request_id in zip(prompts, ids, strict=True):
-        prompt_ids = pair.tokenizer.encode(prompt)
         for choice in choices:
-            tokens = pair.tokenizer.encode(choice, add_special_tokens=False)
-            logits = pair.model(mx.array(prompt_ids + tokens)[None])[0].astype(mx.float32)
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            expected = sum(logprobs[len(prompt_ids) - 1 + i, t].item()
-                           for i, t in enumerate(tokens))
-            assert by_id[request_id].choice_logprobs[choice] == pytest.approx(expected, abs=1e-3)
+            assert by_id[request_id].choice_logprobs[choice] == pytest.approx(
+                choice_logprob(pair, prompt, choice), abs=1e-3)
 
 
 def test_rows_sharing_a_cached_prefix_speculate_to_the_same_tokens(pair, tmp_path):
