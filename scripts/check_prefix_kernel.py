@@ -114,6 +114,7 @@ def greedy(model_dir: str) -> dict:
         hits = engine.get_cache_stats()["hit_tokens"]
     pa.ENABLED = True
     result = {"dtype": "bfloat16", "rows": len(chats), "cache_hit_tokens": hits,
+              **gaps(lm, chats, tokens[False], tokens[True]),
               "rows_differing": sum(a != b for a, b in zip(tokens[False], tokens[True],
                                                            strict=True)),
               "first_differences": [
@@ -124,6 +125,37 @@ def greedy(model_dir: str) -> dict:
               "refused": list(pa._refused)}
     print(json.dumps(result), flush=True)
     return result
+
+
+def gaps(lm, chats: list, off: list[list[int]], on: list[list[int]]) -> dict:
+    """How close the two paths' choices were where they part: from one uncached forward of
+    the prompt and the tokens both chose (MLX's own attention), the logit gap between the two
+    tokens chosen there, and the gap between the top two logits at every position of the
+    first 8 rows, for scale."""
+    from batchrun.engine.prompt import PromptBuilder
+
+    builder = PromptBuilder(lm.tokenizer)
+
+    def logits(i: int, tokens: list[int]) -> mx.array:
+        prompt = builder.encode_chat(chats[i])
+        out = lm.model(mx.array([prompt + tokens]))[0, len(prompt) - 1:].astype(mx.float32)
+        mx.eval(out)
+        return out
+
+    parting = []
+    for i, (a, b) in enumerate(zip(off, on, strict=True)):
+        j = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        if j is not None:
+            row = logits(i, a[:j])[j]
+            parting.append(abs(row[a[j]].item() - row[b[j]].item()))
+    typical = []
+    for i in range(min(8, len(off))):
+        top = mx.sort(logits(i, off[i][:-1]), axis=-1)[:, -2:]
+        typical += (top[:, 1] - top[:, 0]).tolist()
+    typical.sort()
+    return {"parting_logit_gaps": sorted(round(g, 4) for g in parting),
+            "top2_gap_quantiles": {q: round(typical[int(q * (len(typical) - 1))], 4)
+                                   for q in (0.05, 0.25, 0.5)} if typical else {}}
 
 
 def main() -> None:
