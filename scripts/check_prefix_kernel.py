@@ -4,11 +4,13 @@
 
 1. Correctness: the kernel against `reference` (float32 MLX ops on the CPU, same inputs) over
    dtypes, head dims, rows, queries a row (width), and prefix lengths, the last block of
-   queries and the last tile of keys part-full. Fails (exit 1) beyond tolerance, or if the
-   kernel was refused.
+   queries and the last tile of keys part-full; the cascade kernel against
+   `cascade_reference` (rows with left padding, own keys part of their cache). Fails (exit 1)
+   beyond tolerance, or if the kernel was refused.
 2. Cost of one layer's prefix part at a labeling job's shapes (a suffix prefill, a decode
    step): the kernel against the MLX ops the engine ran on CUDA before it (float32 scores in
-   evaluated chunks, shared_prefix._attend_prefix).
+   evaluated chunks, shared_prefix._attend_prefix); a prefill's whole attention, the cascade
+   kernel against the parts path (prefix kernel, own part in MLX ops, merge).
 3. Greedy tokens (not with --quick): the engine on a small bfloat16 model, rows under two
    shared instructions, the prefix part through the kernel and through MLX's ops.
 
@@ -62,6 +64,77 @@ def correctness() -> list[dict]:
         print(json.dumps(result), flush=True)
         results.append(result)
     return results
+
+
+def cascade_correctness() -> list[dict]:
+    """The cascade kernel (a prefill's whole attention under one prefix) against
+    `cascade_reference`: rows with and without left padding, one and several blocks a row,
+    own keys filling part of their cache."""
+    results = []
+    mx.random.seed(1)
+    cases = [(dtype, D, B, heads, kv_heads, L, length, stride, used)
+             for dtype in (mx.bfloat16, mx.float16) for D in pa.HEAD_DIMS
+             for B, heads, kv_heads, L, length, stride, used in (
+                 (1, 4, 1, 2, 1, 32, 2), (3, 4, 2, 37, 150, 64, 50), (16, 32, 8, 45, 1763, 64, 45),
+                 (5, 8, 8, 7, 65, 288, 260), (2, 8, 2, 130, 4097, 160, 131))]
+    for dtype, D, B, heads, kv_heads, L, length, stride, used in cases:
+        pa._refused.clear()
+        queries = mx.random.normal((B, heads, L, D)).astype(dtype)
+        k = mx.random.normal((1, kv_heads, length, D)).astype(dtype)
+        v = mx.random.normal((1, kv_heads, length, D)).astype(dtype)
+        own_k = mx.random.normal((B, kv_heads, stride, D)).astype(dtype)
+        own_v = mx.random.normal((B, kv_heads, stride, D)).astype(dtype)
+        pad = mx.array([(7 * b) % (used - L + 1) for b in range(B)])
+        scale = D ** -0.5
+        out = pa.cascade_attention(queries, own_k, own_v, pad, used, k, v, scale)
+        mx.eval(out)
+        with mx.stream(mx.cpu):
+            expected = pa.cascade_reference(queries, own_k, own_v, pad, used, k, v, scale,
+                                            mx.float32)
+            error = mx.abs(out.astype(mx.float32) - expected).max().item()
+        result = {"kernel": "cascade", "dtype": str(dtype), "D": D, "rows": B, "heads": heads,
+                  "kv_heads": kv_heads, "L": L, "length": length, "stride": stride,
+                  "used": used, "max_error": error, "refused": list(pa._refused)}
+        result["ok"] = not pa._refused and error <= TOLERANCE[dtype]
+        print(json.dumps(result), flush=True)
+        results.append(result)
+    return results
+
+
+def cascade_timing(rows: int, L: int, length: int, heads=32, kv_heads=8, D=64, reps=20) -> dict:
+    """One layer's prefill attention under a prefix: the cascade kernel against the parts
+    path it replaces (the prefix kernel, the own part in MLX ops, the merge)."""
+    dtype = mx.bfloat16
+    k = mx.random.normal((1, kv_heads, length, D)).astype(dtype)
+    v = mx.random.normal((1, kv_heads, length, D)).astype(dtype)
+    prefix = shared_prefix.SharedPrefix([k], [v])
+    cache = shared_prefix.SharedPrefixBatchCache([prefix] * rows, 0)
+    queries = mx.random.normal((rows, heads, L, D)).astype(dtype)
+    mask = cache.make_mask(L)
+    keys, values = cache.update_and_fetch(
+        mx.random.normal((rows, kv_heads, L, D)).astype(dtype),
+        mx.random.normal((rows, kv_heads, L, D)).astype(dtype))
+    mx.eval(queries, keys, values, cache.keys, cache.values, mask)
+
+    def parts():
+        real = pa.serves_cascade
+        pa.serves_cascade = lambda *args: False
+        try:
+            return shared_prefix.attention_with_prefix(queries, keys, values, cache, D ** -0.5,
+                                                       mask)
+        finally:
+            pa.serves_cascade = real
+
+    calls = {"cascade": lambda: shared_prefix.attention_with_prefix(
+                 queries, keys, values, cache, D ** -0.5, mask),
+             "parts": parts}
+    result = {"what": f"prefill attention, {rows} rows x {L} queries, {length}-key prefix",
+              "rows": rows, "L": L, "length": length}
+    for name, call in calls.items():
+        result[name + "_ms"] = timed(call, reps)
+    result["speedup"] = result["parts_ms"] / result["cascade_ms"]
+    print(json.dumps(result), flush=True)
+    return result
 
 
 def timing(what: str, rows: int, width: int, length: int, kv_heads=8, D=64, reps=20) -> dict:
@@ -169,12 +242,14 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     if not pa.on_cuda():
         sys.exit("check_prefix_kernel.py needs MLX's CUDA backend")
-    result = {"correctness": correctness()}
+    result = {"correctness": correctness() + cascade_correctness()}
     result["timing"] = [
         timing("suffix prefill, 512 rows x 45 queries x 4 heads", 512, 180, 1763),
         timing("suffix prefill, 128 rows, head size 128", 128, 180, 1763, D=128),
         timing("decode step, 1,024 rows x 4 heads", 1024, 4, 1763),
         timing("decode step, 64 rows x 4 heads", 64, 4, 1763)]
+    result["cascade_timing"] = [cascade_timing(512, 45, 1763), cascade_timing(1, 35, 1728),
+                                cascade_timing(8, 7, 1763)]
     if not args.quick:
         if not (Path(args.model) / "config.json").exists():
             from batchrun.models.build import build

@@ -8,7 +8,9 @@ Stages (each timed to the GPU's end, its first call and then the same shapes aga
 - plain-prefill / plain-decode: two rows with no shared prefix (MLX's fused attention);
 - tail-prefill / tail-decode: one row of 35 tokens under a shared prefix (cascade attention);
 - wide-prefill / wide-decode: 510 rows of 45 tokens under it;
-- op:NAME (--order ops, before any forward): each op of one layer's cascade attention alone.
+- op:NAME (--order ops, before any forward): each op of one layer's cascade attention alone;
+- call:NAME (--watch): from the second path on, the first two calls of each layer, of layer
+  0's parts and of the attention function, each evaluated.
 --order says which path meets the process first; run it after a throwaway run of the same
 command, so MLX's compiled kernels come from its disk cache as in a warm job.
 """
@@ -53,6 +55,53 @@ def forward(model, layers: int, prefix, rows: int, length: int):
         return model(tokens[:, -1:], cache=caches)[:, -1]
 
     return prefill, decode
+
+
+class Timed:
+    """Stands in for a callable of the model (a layer, a module, the attention function):
+    evaluates its result at each call and prints the first two calls' times."""
+
+    def __init__(self, name: str, real, inputs: bool = False):
+        self.name, self.real, self.calls, self.inputs = name, real, 0, inputs
+
+    def __call__(self, *args, **kwargs):
+        if self.calls >= 2:
+            return self.real(*args, **kwargs)
+        if self.inputs:  # what the call reads, evaluated first (not counted)
+            mx.eval([a for a in args if isinstance(a, mx.array)])
+        mx.synchronize()
+        start = time.perf_counter()
+        out = self.real(*args, **kwargs)
+        mx.eval([a for a in (out if isinstance(out, tuple) else (out,))
+                 if isinstance(a, mx.array)])
+        mx.synchronize()
+        self.calls += 1
+        print(json.dumps({"stage": f"call:{self.name}", "call": self.calls,
+                          "ms": round((time.perf_counter() - start) * 1e3, 2)}), flush=True)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def watch(model) -> None:
+    """Times the first two calls of each of the model's layers, and of layer 0's parts."""
+    import sys
+
+    layers = model.layers
+    first = layers[0]
+    attention = first.self_attn
+    for part in ("q_proj", "k_proj", "v_proj", "o_proj", "rope"):
+        setattr(attention, part, Timed(f"layer0.{part}", getattr(attention, part)))
+    for part in ("input_layernorm", "post_attention_layernorm", "mlp"):
+        setattr(first, part, Timed(f"layer0.{part}", getattr(first, part)))
+    module = sys.modules[type(attention).__module__]
+    module.scaled_dot_product_attention = Timed("attention",
+                                                module.scaled_dot_product_attention, True)
+    for name in ("serves_cascade", "_verify", "_launch_cascade", "_launch"):
+        setattr(prefix_attention, name, Timed(name, getattr(prefix_attention, name), True))
+    for i in range(len(layers)):
+        layers[i] = Timed(f"layer{i}", layers[i])
 
 
 def stage_pair(name: str, model, layers: int, prefix, rows: int, length: int) -> None:
@@ -105,6 +154,8 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--order", choices=("cascade", "plain", "ops"), default="cascade")
     ap.add_argument("--prefix", type=int, default=1728, help="shared prefix tokens")
+    ap.add_argument("--watch", action="store_true",
+                    help="also time the first calls of each layer and of layer 0's parts")
     args = ap.parse_args()
     from mlx_lm import load
 
@@ -134,7 +185,9 @@ def main() -> None:
     order = [("plain", None, 2, 15), ("tail", prefix, 1, 35), ("wide", prefix, 510, 45)]
     if args.order != "plain":  # the cascade path first
         order[0], order[1] = order[1], order[0]
-    for name, p, rows, length in order:
+    for i, (name, p, rows, length) in enumerate(order):
+        if args.watch and i == 1:  # the second path, after the first one's first use
+            watch(model)
         stage_pair(name, model, layers, p, rows, length)
 
 

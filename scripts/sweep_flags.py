@@ -1,7 +1,8 @@
 """Issue 13's defaults check: `batchrun run` with default flags against the best flags found.
 
     python scripts/sweep_flags.py OUT_DIR [--model PATH] [--rows 120] [--instruction 1300]
-        [--max-tokens 4] [--reps 2] [--workload labeling|decode] [--flags "" "--max-concurrency 64" ...]
+        [--max-tokens 4] [--reps 2] [--workload labeling|decode]
+        [--flags "" "--max-concurrency 64" ...]
 
 Labeling rows (bench_labeling.py's: a ~N-word shared instruction + one review); one cold job
 fills a prefix-cache folder, then each flag set (the empty one: the defaults) runs as a fresh

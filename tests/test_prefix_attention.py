@@ -44,6 +44,80 @@ def test_the_contract_is_the_prefix_part_the_mlx_and_numpy_paths_compute(rows, w
     assert mx.allclose(out, mx.softmax(scores, axis=-1) @ v[0][None], atol=1e-5)
 
 
+def prefill_chunks(B=3, heads=4, kv_heads=2, length=40, D=64, pad=(0, 2, 1), chunks=(5, 3),
+                   dtype=mx.float32, seed=1):
+    """A batch cache of rows under one prefix, prefilled in chunks: for each chunk, (queries,
+    the cache after its keys went in, the mask mlx-lm's model passes)."""
+    mx.random.seed(seed)
+    k = mx.random.normal((1, kv_heads, length, D)).astype(dtype)
+    v = mx.random.normal((1, kv_heads, length, D)).astype(dtype)
+    prefix = shared_prefix.SharedPrefix([k], [v])
+    cache = shared_prefix.SharedPrefixBatchCache([prefix] * B, 0)
+    cache.left_padding = mx.array(list(pad))
+    for L in chunks:
+        queries = mx.random.normal((B, heads, L, D)).astype(dtype)
+        mask = cache.make_mask(L)
+        cache.update_and_fetch(mx.random.normal((B, kv_heads, L, D)).astype(dtype),
+                               mx.random.normal((B, kv_heads, L, D)).astype(dtype))
+        yield queries, cache, mask, (k, v)
+
+
+def test_the_cascade_contract_is_the_whole_attention_of_a_prefill_under_one_prefix():
+    """cascade_reference (the cascade kernel's contract) gives what the parts path gives
+    (prefix part, own part under mlx-lm's mask, merged), and what attention over the prefix
+    followed by the row's own keys gives, left padding and causality included."""
+    for queries, cache, mask, (k, v) in prefill_chunks():
+        B, heads, L, D = queries.shape
+        used = cache._idx
+        expected = shared_prefix.attention_with_prefix(
+            queries, cache.keys[..., :used, :], cache.values[..., :used, :], cache, 0.125, mask)
+        out = pa.cascade_reference(queries, cache.keys, cache.values, cache.left_padding, used,
+                                   k, v, 0.125)
+        assert out.shape == queries.shape and mx.allclose(out, expected, atol=1e-5)
+        for b, pad in enumerate(cache.left_padding.tolist()):  # each row from the definition
+            whole_k = mx.concatenate([k[0], cache.keys[b, :, pad:used]], axis=1)
+            whole_v = mx.concatenate([v[0], cache.values[b, :, pad:used]], axis=1)
+            seen = mx.arange(whole_k.shape[1])[None] <= k.shape[2] + mx.arange(
+                used - L, used)[:, None] - pad
+            row = mx.fast.scaled_dot_product_attention(
+                queries[b: b + 1], whole_k[None], whole_v[None], scale=0.125, mask=seen)
+            real = slice(max(0, pad - (used - L)), L)  # the row's queries, not its padding
+            assert mx.allclose(out[b, :, real], row[0, :, real], atol=1e-5)
+
+
+def test_the_whole_prefill_path_serves_rows_under_one_prefix_with_queries_to_spare(monkeypatch):
+    monkeypatch.setattr(pa, "EVERYWHERE", True)
+    (queries, cache, _, (k, v)), = prefill_chunks(chunks=(5,), dtype=mx.bfloat16)
+    assert pa.serves_cascade(queries, cache.keys, k, v)
+    assert not pa.serves_cascade(queries[:, :, :1], cache.keys, k, v)  # a decode step
+    assert not pa.serves_cascade(queries, cache.keys.astype(mx.float16), k, v)
+    assert not pa.serves_cascade(queries, cache.keys, k[:, :, :0], v[:, :, :0])
+    monkeypatch.setattr(pa, "ENABLED", False)
+    assert not pa.serves_cascade(queries, cache.keys, k, v)
+
+
+def test_a_refused_cascade_launch_takes_the_parts_path_for_that_call(monkeypatch, caplog):
+    monkeypatch.setattr(pa, "on_cuda", lambda: True)
+    monkeypatch.setattr(pa, "_refused", [])
+    monkeypatch.setattr(pa, "_compiled", lambda *args: ("name", b"ptx"))
+    monkeypatch.setattr(pa, "_verify", lambda *args: None)
+    monkeypatch.setattr(pa, "_launch", lambda q, k, v, scale: pa.reference(q, k, v, scale))
+
+    def refused(*args):
+        raise RuntimeError("[precompiled_cuda_kernel] failed to load the module")
+
+    monkeypatch.setattr(pa, "_launch_cascade", refused)
+    (queries, cache, mask, _), = prefill_chunks(chunks=(5,), dtype=mx.bfloat16)
+    used = cache._idx
+    keys, values = cache.keys[..., :used, :], cache.values[..., :used, :]
+    with caplog.at_level("WARNING", logger="batchrun"):
+        out = shared_prefix.attention_with_prefix(queries, keys, values, cache, 0.125, mask)
+    assert sum("shared-prefix attention kernel" in r.message for r in caplog.records) == 1
+    monkeypatch.setattr(pa, "ENABLED", False)  # MLX's ops throughout
+    expected = shared_prefix.attention_with_prefix(queries, keys, values, cache, 0.125, mask)
+    assert mx.allclose(out.astype(mx.float32), expected.astype(mx.float32), atol=2e-2)
+
+
 def test_the_path_serves_half_precision_prefix_parts_only_where_its_kernel_runs(monkeypatch):
     q, k, v = inputs(dtype=mx.bfloat16)
     assert not pa.serves(q, k, v)  # this CPU: NumPy or MLX ops, as before
@@ -70,29 +144,33 @@ def test_on_cuda_the_kernel_takes_half_precision_and_its_head_sizes_only(monkeyp
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Counts the rows given to the path's reference (the CPU's stand-in for the kernel)."""
-    calls = []
-    original = pa.reference
+    """Counts the rows given to the path's references (the CPU's stand-ins for the kernels):
+    {"prefix": [rows a call], "cascade": [...]}."""
+    calls = {"prefix": [], "cascade": []}
+    for kind, name in (("prefix", "reference"), ("cascade", "cascade_reference")):
+        original = getattr(pa, name)
 
-    def counting(q, *args):
-        calls.append(q.shape[0])
-        return original(q, *args)
+        def counting(q, *args, _kind=kind, _original=original, **kwargs):
+            calls[_kind].append(q.shape[0])
+            return _original(q, *args, **kwargs)
 
-    monkeypatch.setattr(pa, "reference", counting)
+        monkeypatch.setattr(pa, name, counting)
     return calls
 
 
 @pytest.mark.parametrize("concurrency", [1, 64])
 def test_greedy_tokens_do_not_change_when_the_prefix_part_takes_the_path(
         demo, monkeypatch, counted, concurrency):
-    """Prefills and decode steps of rows under two prefixes, mixed in batches."""
+    """Prefills and decode steps of rows under two prefixes, mixed in batches: a prefill of
+    rows under one prefix takes the whole-attention path, the rest the prefix part's."""
     chats = rows(FIRST, 6) + rows(SECOND, 6) + rows(FIRST, 4, start=6)
     expected, _ = run(demo, chats, prefix=False)
     monkeypatch.setattr(pa, "EVERYWHERE", True)
     tokens, engine = run(demo, chats, concurrency=concurrency)
     assert engine.get_cache_stats()["hit_tokens"] > 0
     assert tokens == expected
-    assert counted and max(counted) > (1 if concurrency > 1 else 0)
+    assert counted["prefix"] and max(counted["prefix"]) > (1 if concurrency > 1 else 0)
+    assert counted["cascade"]  # prefills
 
 
 def test_without_a_compiler_the_prefix_part_keeps_mlxs_ops_with_one_warning(
@@ -163,15 +241,25 @@ def test_a_kernel_variant_is_checked_against_the_reference_before_rows_use_it(
         out, lse = pa.reference(q, k, v, scale)
         return (out, lse + 0.5) if broken else (out, lse)
 
+    def launch_cascade(queries, own_k, own_v, pad, used, k, v, scale):
+        cascaded.append((queries.shape, pad.tolist(), used))
+        return pa.cascade_reference(queries, own_k, own_v, pad, used, k, v, scale)
+
+    cascaded = []
     monkeypatch.setattr(pa, "_launch", launch)
+    monkeypatch.setattr(pa, "_launch_cascade", launch_cascade)
     q, k, v = inputs(dtype=mx.bfloat16)
     with caplog.at_level("WARNING", logger="batchrun"):
         assert pa.serves(q, k, v) is not broken
         assert pa.serves(q, k, v) is not broken
-    assert len(launched) == 1  # once a variant
-    # The check's inputs leave the last block of queries and the last tile of keys part-full.
+    assert len(launched) == len(cascaded) == 1  # once a variant
+    # The check's inputs leave the last block of queries and the last tile of keys part-full,
+    # and give the cascade kernel rows of two blocks, with and without left padding.
     rows_, _, width, _ = launched[0]
     assert rows_ * width % pa.QUERIES_A_BLOCK and 150 % 64
+    (_, heads, L, _), pad, used = cascaded[0]
+    assert pa.QUERIES_A_BLOCK < heads // 2 * L < 2 * pa.QUERIES_A_BLOCK
+    assert 0 in pad and max(pad) > 0 and used > L
     warnings = [r.message for r in caplog.records if "shared-prefix attention kernel" in r.message]
     assert warnings == (["the shared-prefix attention kernel is not available (its results "
                          "differ from MLX's by 0.5 on a test input); the prefix part of "
@@ -189,11 +277,16 @@ def test_the_kernels_source_compiles_for_tensor_cores_with_the_launched_name():
             name, ptx = pa._compiled(dtype, D)
             text = ptx.decode()
             assert ptx.endswith(b"\0") and f".visible .entry {name}(" in text
+            assert f".visible .entry {name}{pa.CASCADE}(" in text
             target = int(re.search(r"\.target sm_(\d+)", text).group(1))
             assert target >= pa.OLDEST_ARCH
             assert f"mma.sync.aligned.m16n8k16.row.col.f32.{kind}.{kind}.f32" in text
-            # A tile of 64 keys: D/16 score products and D/8 value products per 8 and 16 keys.
-            assert text.count("mma.sync") == (64 // 8) * (D // 16) + (64 // 16) * (D // 8)
+            # A tile of 64 keys: D/16 score products and D/8 value products per 8 and 16 keys;
+            # one tile loop in the prefix kernel, two (prefix, own keys) in the cascade one.
+            per_tile = (64 // 8) * (D // 16) + (64 // 16) * (D // 8)
+            prefix, cascade = text.split(f".visible .entry {name}{pa.CASCADE}(")
+            assert prefix.count("mma.sync") == per_tile
+            assert cascade.count("mma.sync") == 2 * per_tile
             assert ".local" not in text  # no array spilled to local memory
             names.add(name)
     assert len(names) == 2 * len(pa.HEAD_DIMS)  # no two share a name

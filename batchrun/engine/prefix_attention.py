@@ -40,6 +40,9 @@ log = logging.getLogger("batchrun")
 
 # False (or BATCHRUN_PREFIX_KERNEL=0): the prefix part stays in MLX ops on CUDA.
 ENABLED = os.environ.get("BATCHRUN_PREFIX_KERNEL", "1") != "0"
+# False (or BATCHRUN_CASCADE_KERNEL=0): a prefill under one prefix keeps the prefix kernel for
+# its prefix part and MLX's ops for the rest (the cascade kernel's A/B switch).
+CASCADE_ENABLED = os.environ.get("BATCHRUN_CASCADE_KERNEL", "1") != "0"
 # True: the prefix part takes this module on every device, through `reference` where the kernel
 # does not run (tests check the plumbing on the CPU this way).
 EVERYWHERE = False
@@ -50,11 +53,14 @@ MAX_QUERIES = 2 ** 30
 # mma.sync's m16n8k16 shape for 16-bit inputs, and ldmatrix: Ampere (8.0) on.
 OLDEST_ARCH = 80
 
-# The kernel's source, self-contained (no includes), compiled by NVRTC with these defines
-# first: NAME, T_KIND (1 float16, 2 bfloat16), D (head dimension). Grid: (blocks, kv_heads)
-# of 128 threads. Inputs: q (rows, kv_heads, width, D), k and v (kv_heads, length, D); scalars:
-# scale_log2 (the softmax scale times log2(e)), width, total (rows * width), length. Outputs:
-# out (rows, kv_heads, width, D) float32, lse (rows, kv_heads, width) float32 (natural log).
+# The kernels' source, self-contained (no includes), compiled by NVRTC with these defines
+# first: NAME and CASCADE_NAME (the two kernels'), T_KIND (1 float16, 2 bfloat16), D (head
+# dimension). Both take grids of 128-thread blocks and the softmax scale times log2(e).
+# NAME, the prefix part alone: q (rows, kv_heads, width, D), k and v (kv_heads, length, D);
+# out (rows, kv_heads, width, D) and lse (rows, kv_heads, width), float32 (natural log).
+# CASCADE_NAME, a prefill's whole attention: queries (rows, L, heads, D), the same prefix, and
+# the rows' own keys and values in their cache with its left padding; out in q's type and
+# layout.
 _SOURCE = r"""
 #define BR_INF __int_as_float(0x7f800000)
 #if T_KIND == 2
@@ -96,76 +102,60 @@ __device__ __forceinline__ void br_ldmatrix_t(br_u32* r, const br_u16* row) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address) : "memory");
 }
 
-extern "C" __global__ void __launch_bounds__(128)
-NAME(const br_u16* q, const br_u16* k, const br_u16* v, float* out, float* lse,
-     float scale_log2, int width, int total, int length) {
-  constexpr int BN = 64;         // keys a tile
-  constexpr int KS = D + 8;      // a key's stride in shared memory: conflict-free reads
-  constexpr int NT = BN / 8;     // score tiles (8 keys each) a tile of keys
-  constexpr int KD = D / 16;     // steps of 16 along the head dimension
-  constexpr int DT = D / 8;      // output tiles (8 dimensions each)
-  __shared__ __align__(16) br_u16 k_s[BN * KS];
-  __shared__ __align__(16) br_u16 v_s[BN * KS];
-  const int kvh = blockIdx.y, kv_heads = gridDim.y;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;  // the mma fragments' row group and column pair
+constexpr int BR_BN = 64;        // keys a tile
+constexpr int BR_KS = D + 8;     // a key's stride in shared memory: conflict-free reads
+constexpr int BR_NT = BR_BN / 8; // score tiles (8 keys each) a tile of keys
+constexpr int BR_KD = D / 16;    // steps of 16 along the head dimension
+constexpr int BR_DT = D / 8;     // output tiles (8 dimensions each)
 
-  // This thread's two query rows (g and g + 8 of the warp's 16) and their offsets.
-  int m[2];
-  size_t at[2];
-  #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    m[r] = blockIdx.x * 64 + warp * 16 + g + 8 * r;
-    const int row = m[r] / width, w = m[r] % width;
-    at[r] = (((size_t)row * kv_heads + kvh) * width + w) * D;
-  }
-  br_u32 qa[KD][4];
-  #pragma unroll
-  for (int ks = 0; ks < KD; ++ks) {
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = i & 1, col = ks * 16 + (i >> 1) * 8 + 2 * t;
-      qa[ks][i] = m[r] < total ? *reinterpret_cast<const br_u32*>(q + at[r] + col) : 0u;
-    }
-  }
+// Flash attention's running state for a thread's two query rows (g and g + 8 of its warp's
+// 16): the output fragments, and each row's running max (log2 units) and sum.
+struct BrState {
+  float o[BR_DT][4];
+  float top[2];
+  float sum[2];
+};
 
-  float o[DT][4], top[2] = {-BR_INF, -BR_INF}, sum[2] = {0.f, 0.f};
-  #pragma unroll
-  for (int d = 0; d < DT; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
-  const br_u16* kb = k + (size_t)kvh * length * D;
-  const br_u16* vb = v + (size_t)kvh * length * D;
-
-  for (int base = 0; base < length; base += BN) {
+// Attends keys [begin, end) of kb / vb (key j at kb + j * D) into `st`, key j counting for
+// the thread's row r only if j <= lim[r]. Every thread of the block calls it with the same
+// begin and end (it synchronizes the block for each tile).
+__device__ __forceinline__ void br_keys(BrState& st, const br_u32 (&qa)[BR_KD][4],
+                                        const br_u16* kb, const br_u16* vb, int begin, int end,
+                                        const int (&lim)[2], float scale_log2,
+                                        br_u16* k_s, br_u16* v_s) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  for (int base = begin; base < end; base += BR_BN) {
     __syncthreads();  // the previous tile is read
-    for (int i = threadIdx.x; i < BN * D / 8; i += 128) {
+    for (int i = threadIdx.x; i < BR_BN * D / 8; i += 128) {
       const int key = i / (D / 8), c = (i % (D / 8)) * 8;
       BrV16 kv = {{0u, 0u, 0u, 0u}}, vv = {{0u, 0u, 0u, 0u}};
-      if (base + key < length) {
+      if (base + key < end) {
         kv = *reinterpret_cast<const BrV16*>(kb + (size_t)(base + key) * D + c);
         vv = *reinterpret_cast<const BrV16*>(vb + (size_t)(base + key) * D + c);
       }
-      *reinterpret_cast<BrV16*>(k_s + key * KS + c) = kv;
-      *reinterpret_cast<BrV16*>(v_s + key * KS + c) = vv;
+      *reinterpret_cast<BrV16*>(k_s + key * BR_KS + c) = kv;
+      *reinterpret_cast<BrV16*>(v_s + key * BR_KS + c) = vv;
     }
     __syncthreads();
 
     // Scores: s[n] holds keys n*8 + 2t, +1 of rows g (0, 1) and g + 8 (2, 3).
-    float s[NT][4];
+    float s[BR_NT][4];
     #pragma unroll
-    for (int n = 0; n < NT; ++n) {
+    for (int n = 0; n < BR_NT; ++n) {
       s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-      const br_u16* kr = k_s + (n * 8 + g) * KS + 2 * t;
+      const br_u16* kr = k_s + (n * 8 + g) * BR_KS + 2 * t;
       #pragma unroll
-      for (int ks = 0; ks < KD; ++ks)
+      for (int ks = 0; ks < BR_KD; ++ks)
         br_mma(s[n], qa[ks], *reinterpret_cast<const br_u32*>(kr + ks * 16),
                *reinterpret_cast<const br_u32*>(kr + ks * 16 + 8));
     }
-    float next[2] = {top[0], top[1]};
+    float next[2] = {st.top[0], st.top[1]};
     #pragma unroll
-    for (int n = 0; n < NT; ++n) {
+    for (int n = 0; n < BR_NT; ++n) {
       #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const float x = base + n * 8 + 2 * t + (i & 1) < length ? s[n][i] * scale_log2 : -BR_INF;
+        const int j = base + n * 8 + 2 * t + (i & 1);
+        const float x = j < end && j <= lim[i >> 1] ? s[n][i] * scale_log2 : -BR_INF;
         s[n][i] = x;
         next[i >> 1] = fmaxf(next[i >> 1], x);
       }
@@ -175,69 +165,179 @@ NAME(const br_u16* q, const br_u16* k, const br_u16* v, float* out, float* lse,
     for (int r = 0; r < 2; ++r) {  // a row's four threads share its max
       next[r] = fmaxf(next[r], __shfl_xor_sync(0xffffffffu, next[r], 1));
       next[r] = fmaxf(next[r], __shfl_xor_sync(0xffffffffu, next[r], 2));
-      corr[r] = exp2f(top[r] - next[r]);  // a tile always holds a key: next[r] is finite
-      top[r] = next[r];
-      sum[r] *= corr[r];
+      // A row with no key so far keeps -inf, and must not make NaN of it: 0 stands in.
+      if (next[r] == -BR_INF) next[r] = 0.f;
+      corr[r] = exp2f(st.top[r] - next[r]);
+      st.top[r] = next[r];
+      st.sum[r] *= corr[r];
     }
     #pragma unroll
-    for (int d = 0; d < DT; ++d) {
-      o[d][0] *= corr[0]; o[d][1] *= corr[0];
-      o[d][2] *= corr[1]; o[d][3] *= corr[1];
+    for (int d = 0; d < BR_DT; ++d) {
+      st.o[d][0] *= corr[0]; st.o[d][1] *= corr[0];
+      st.o[d][2] *= corr[1]; st.o[d][3] *= corr[1];
     }
     #pragma unroll
-    for (int n = 0; n < NT; ++n) {
+    for (int n = 0; n < BR_NT; ++n) {
       #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const float p = exp2f(s[n][i] - top[i >> 1]);
+        const float p = exp2f(s[n][i] - st.top[i >> 1]);
         s[n][i] = p;
-        sum[i >> 1] += p;
+        st.sum[i >> 1] += p;
       }
     }
     // Weights times values: the score tiles of 16 keys are the next product's A fragments.
     #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
+    for (int kk = 0; kk < BR_BN / 16; ++kk) {
       const br_u32 pa[4] = {br_pack(s[2 * kk][0], s[2 * kk][1]),
                             br_pack(s[2 * kk][2], s[2 * kk][3]),
                             br_pack(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                             br_pack(s[2 * kk + 1][2], s[2 * kk + 1][3])};
       #pragma unroll
-      for (int d = 0; d < DT; d += 2) {
+      for (int d = 0; d < BR_DT; d += 2) {
         br_u32 b[4];
-        br_ldmatrix_t(b, v_s + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * KS
+        br_ldmatrix_t(b, v_s + (kk * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * BR_KS
                              + (d + (lane >> 4)) * 8);
-        br_mma(o[d], pa, b[0], b[1]);
-        br_mma(o[d + 1], pa, b[2], b[3]);
+        br_mma(st.o[d], pa, b[0], b[1]);
+        br_mma(st.o[d + 1], pa, b[2], b[3]);
       }
     }
   }
+}
 
+// A thread's query fragments for its two rows at offsets at[r] of q (zeros where !valid[r]).
+__device__ __forceinline__ void br_queries(br_u32 (&qa)[BR_KD][4], const br_u16* q,
+                                           const size_t (&at)[2], const bool (&valid)[2]) {
+  const int t = threadIdx.x & 3;
+  #pragma unroll
+  for (int ks = 0; ks < BR_KD; ++ks) {
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = i & 1, col = ks * 16 + (i >> 1) * 8 + 2 * t;
+      qa[ks][i] = valid[r] ? *reinterpret_cast<const br_u32*>(q + at[r] + col) : 0u;
+    }
+  }
+}
+
+__device__ __forceinline__ void br_start(BrState& st) {
+  #pragma unroll
+  for (int d = 0; d < BR_DT; ++d) st.o[d][0] = st.o[d][1] = st.o[d][2] = st.o[d][3] = 0.f;
+  st.top[0] = st.top[1] = -BR_INF;
+  st.sum[0] = st.sum[1] = 0.f;
+}
+
+// The row sums, whole across each row's four threads.
+__device__ __forceinline__ void br_finish(BrState& st) {
   #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 1);
-    sum[r] += __shfl_xor_sync(0xffffffffu, sum[r], 2);
-    if (m[r] >= total) continue;
+    st.sum[r] += __shfl_xor_sync(0xffffffffu, st.sum[r], 1);
+    st.sum[r] += __shfl_xor_sync(0xffffffffu, st.sum[r], 2);
+  }
+}
+
+// The prefix part alone. Grid: (blocks of 64 queries, kv_heads); query m of a KV head is row
+// m / width's query m % width. Outputs float32: out normalized, lse (natural log).
+extern "C" __global__ void __launch_bounds__(128)
+NAME(const br_u16* q, const br_u16* k, const br_u16* v, float* out, float* lse,
+     float scale_log2, int width, int total, int length) {
+  __shared__ __align__(16) br_u16 k_s[BR_BN * BR_KS];
+  __shared__ __align__(16) br_u16 v_s[BR_BN * BR_KS];
+  const int kvh = blockIdx.y, kv_heads = gridDim.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  int m[2];
+  size_t at[2];
+  bool valid[2];
+  #pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    m[r] = blockIdx.x * 64 + warp * 16 + g + 8 * r;
+    const int row = m[r] / width, w = m[r] % width;
+    at[r] = (((size_t)row * kv_heads + kvh) * width + w) * D;
+    valid[r] = m[r] < total;
+  }
+  br_u32 qa[BR_KD][4];
+  br_queries(qa, q, at, valid);
+  BrState st;
+  br_start(st);
+  const int all[2] = {length, length};
+  br_keys(st, qa, k + (size_t)kvh * length * D, v + (size_t)kvh * length * D, 0, length, all,
+          scale_log2, k_s, v_s);
+  br_finish(st);
+  #pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (!valid[r]) continue;
     float* row = out + at[r] + 2 * t;
     #pragma unroll
-    for (int d = 0; d < DT; ++d)
+    for (int d = 0; d < BR_DT; ++d)
       *reinterpret_cast<float2*>(row + d * 8) =
-          make_float2(o[d][2 * r] / sum[r], o[d][2 * r + 1] / sum[r]);
-    if (t == 0) lse[at[r] / D] = (top[r] + log2f(sum[r])) * 0.69314718055994531f;
+          make_float2(st.o[d][2 * r] / st.sum[r], st.o[d][2 * r + 1] / st.sum[r]);
+    if (t == 0) lse[at[r] / D] = (st.top[r] + log2f(st.sum[r])) * 0.69314718055994531f;
+  }
+}
+
+// A prefill's whole attention for rows under one shared prefix: the prefix's keys, then each
+// row's own keys in its cache (ok, ov: (rows, kv_heads, stride, D), the row's keys from
+// pad[row] to used), causal, in one pass. Grid: (rows * tiles, kv_heads), tiles = the blocks
+// of 64 a row's width (query heads a KV head x L queries) takes; query m of a row is query
+// m % L of its KV head's query head m / L, at key position used - L + m % L. Queries and
+// output are (rows, L, heads, D), the layout a model's projections give and take; the output
+// in the queries' type.
+extern "C" __global__ void __launch_bounds__(128)
+CASCADE_NAME(const br_u16* q, const br_u16* k, const br_u16* v, const br_u16* ok,
+             const br_u16* ov, const int* pad, br_u16* out, float scale_log2, int width,
+             int L, int length, int stride, int used) {
+  __shared__ __align__(16) br_u16 k_s[BR_BN * BR_KS];
+  __shared__ __align__(16) br_u16 v_s[BR_BN * BR_KS];
+  const int kvh = blockIdx.y, kv_heads = gridDim.y;
+  const int tiles = (width + 63) / 64;
+  const int row = blockIdx.x / tiles, tile = blockIdx.x % tiles;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  size_t at[2];
+  bool valid[2];
+  int lim[2];
+  const int group = width / L, heads = kv_heads * group;
+  #pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int m = tile * 64 + warp * 16 + g + 8 * r;
+    at[r] = (((size_t)row * L + m % L) * heads + kvh * group + m / L) * D;
+    valid[r] = m < width;
+    lim[r] = used - L + m % L;
+  }
+  br_u32 qa[BR_KD][4];
+  br_queries(qa, q, at, valid);
+  BrState st;
+  br_start(st);
+  const int all[2] = {length, length};
+  br_keys(st, qa, k + (size_t)kvh * length * D, v + (size_t)kvh * length * D, 0, length, all,
+          scale_log2, k_s, v_s);
+  const size_t own = ((size_t)row * kv_heads + kvh) * stride * D;
+  br_keys(st, qa, ok + own, ov + own, pad[row], used, lim, scale_log2, k_s, v_s);
+  br_finish(st);
+  #pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (!valid[r]) continue;
+    br_u16* dst = out + at[r] + 2 * t;
+    #pragma unroll
+    for (int d = 0; d < BR_DT; ++d)
+      *reinterpret_cast<br_u32*>(dst + d * 8) =
+          br_pack(st.o[d][2 * r] / st.sum[r], st.o[d][2 * r + 1] / st.sum[r]);
   }
 }
 """
 _KINDS = {mx.float16: 1, mx.bfloat16: 2}
 _refused: list[str] = []  # why the kernel cannot run in this process, once known
+CASCADE = "_cascade"  # the cascade kernel's name is the variant's with this added
 
 
 def variant_source(name: str, dtype: mx.Dtype, D: int) -> str:
-    defines = {"NAME": name, "T_KIND": _KINDS[dtype], "D": D}
+    defines = {"NAME": name, "CASCADE_NAME": name + CASCADE, "T_KIND": _KINDS[dtype], "D": D}
     return "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE
 
 
 @cache
 def _compiled(dtype: mx.Dtype, D: int) -> tuple[str, bytes]:
-    """(name, PTX) of one variant; the name carries the source's hash (MLX keeps loaded modules
-    by name)."""
+    """(name, PTX) of one variant (both kernels); the name carries the source's hash (MLX
+    keeps loaded modules by name)."""
     source = variant_source("", dtype, D)
     name = f"batchrun_prefix_attention_{hashlib.sha256(source.encode()).hexdigest()[:16]}"
     return name, compile_ptx(variant_source(name, dtype, D), name + ".cu", OLDEST_ARCH)
@@ -258,6 +358,29 @@ def _launch(q: mx.array, keys: mx.array, values: mx.array, scale: float
         ensure_row_contiguous=True)
 
 
+def _launch_cascade(queries: mx.array, own_keys: mx.array, own_values: mx.array,
+                    pad: mx.array, used: int, keys: mx.array, values: mx.array, scale: float
+                    ) -> mx.array:
+    B, n_heads, L, D = queries.shape
+    kv_heads = keys.shape[1]
+    width = n_heads // kv_heads * L
+    name, ptx = _compiled(queries.dtype, D)
+    tiles = math.ceil(width / QUERIES_A_BLOCK)
+    out = mx.fast.precompiled_cuda_kernel(
+        name=name + CASCADE, compiled_source=ptx,
+        inputs=[queries.transpose(0, 2, 1, 3), keys, values, own_keys, own_values,
+                pad.astype(mx.int32)],
+        output_shapes=[(B, L, n_heads, D)], output_dtypes=[queries.dtype],
+        scalars=[_as_float32(scale * math.log2(math.e)), width, L, keys.shape[2],
+                 own_keys.shape[2], used],
+        grid=(B * tiles * 128, kv_heads, 1), threadgroup=(128, 1, 1),
+        ensure_row_contiguous=True)[0]
+    # A model's queries come (rows, L, heads, D) in memory, transposed to (rows, heads, L, D):
+    # read that way they need no copy, and the output goes back the way the model's output
+    # projection reads it (mlx-lm: transposed to (rows, L, heads, D), then flattened).
+    return out.transpose(0, 2, 1, 3)
+
+
 # How far a variant's first results may be from `reference`'s, by input type (the weights are
 # rounded to it for the second product).
 TOLERANCE = {mx.float16: 5e-3, mx.bfloat16: 3e-2}
@@ -266,17 +389,28 @@ TOLERANCE = {mx.float16: 5e-3, mx.bfloat16: 3e-2}
 @cache
 def _verify(dtype: mx.Dtype, D: int) -> None:
     """A variant's first call, before any row depends on it: small random inputs (a width that
-    does not fill the last block, a length that does not fill the last tile) against
-    `reference`; ValueError if they differ (a GPU or driver it was never run on, say)."""
-    key = mx.random.key(0)
-    parts = mx.random.split(key, 3)
+    does not fill the last block, a length that does not fill the last tile, rows' own keys
+    with and without left padding) through both kernels against `reference` and
+    `cascade_reference`; ValueError if they differ (a GPU or driver it was never run on,
+    say)."""
+    parts = mx.random.split(mx.random.key(0), 6)
     q = mx.random.normal((3, 2, 37, D), key=parts[0]).astype(dtype)
     k = mx.random.normal((1, 2, 150, D), key=parts[1]).astype(dtype)
     v = mx.random.normal((1, 2, 150, D), key=parts[2]).astype(dtype)
+    # Two query heads a KV head, laid out as a model's queries are (no copy for the kernel: a
+    # copy's first use cost ~0.1 s on the H200, scripts/first_use_profile.py --watch).
+    queries = mx.random.normal((3, 37, 4, D), key=parts[3]).astype(dtype).transpose(0, 2, 1, 3)
+    own_k = mx.random.normal((3, 2, 64, D), key=parts[4]).astype(dtype)
+    own_v = mx.random.normal((3, 2, 64, D), key=parts[5]).astype(dtype)
+    pad = mx.array([0, 7, 13])
     out, lse = _launch(q, k, v, D ** -0.5)
+    whole = _launch_cascade(queries, own_k, own_v, pad, 50, k, v, D ** -0.5)
     with mx.stream(mx.cpu):  # exact float32 (CUDA's float32 matmuls may round as TF32)
         expected, expected_lse = reference(q, k, v, D ** -0.5)
-    error = max(mx.abs(out - expected).max().item(), mx.abs(lse - expected_lse).max().item())
+        expected_whole = cascade_reference(queries, own_k, own_v, pad, 50, k, v, D ** -0.5,
+                                           mx.float32)
+    error = max(mx.abs(out - expected).max().item(), mx.abs(lse - expected_lse).max().item(),
+                mx.abs(whole.astype(mx.float32) - expected_whole).max().item())
     if not error <= TOLERANCE[dtype]:  # NaN fails too
         raise ValueError(f"its results differ from MLX's by {error:.3g} on a test input")
 
@@ -347,3 +481,60 @@ def reference(q: mx.array, keys: mx.array, values: mx.array, scale: float
     out, lse = attend(scores, values[0], None)
     return (out.reshape(kv_heads, rows, width, -1).transpose(1, 0, 2, 3),
             lse.reshape(kv_heads, rows, width).transpose(1, 0, 2))
+
+
+def serves_cascade(queries: mx.array, own_keys: mx.array, keys: mx.array,
+                   values: mx.array) -> bool:
+    """Whether a prefill's whole attention (`cascade_attention`) takes this path: more than one
+    query a row (decode steps keep the prefix part apart: a block a row would read the prefix
+    once a row), keys to attend, the rows' own keys of the queries' type, and the kernel on
+    CUDA (EVERYWHERE: `cascade_reference` elsewhere)."""
+    B, n_heads, L, D = queries.shape
+    if not (ENABLED and CASCADE_ENABLED) or L < 2 or keys.shape[2] == 0 or values.shape[-1] != D \
+            or own_keys.dtype != queries.dtype or own_keys.shape[-1] != D \
+            or B * math.ceil(n_heads // keys.shape[1] * L / QUERIES_A_BLOCK) >= MAX_QUERIES:
+        return False
+    return EVERYWHERE or _kernel_takes(queries, keys, values)
+
+
+def cascade_attention(queries: mx.array, own_keys: mx.array, own_values: mx.array,
+                      pad: mx.array, used: int, keys: mx.array, values: mx.array,
+                      scale: float) -> mx.array | None:
+    """A prefill's attention for rows that all start with one shared prefix, in one kernel:
+    queries (B, n_heads, L, D), unscaled, against the prefix's keys and values (1, kv_heads,
+    length, D), then against each row's own keys and values (B, kv_heads, stride, D; row b's
+    are positions pad[b] to `used`, the L queries the last L of them), causal. Output in the
+    queries' type and shape; the weights are rounded to that type for the second product, as
+    the prefix kernel's are. The kernel on CUDA (EVERYWHERE: `cascade_reference`); None when
+    MLX refused its launch (logged once): the caller takes its parts apart."""
+    if _kernel_takes(queries, keys, values):
+        try:
+            return _launch_cascade(queries, own_keys, own_values, pad, used, keys, values,
+                                   scale)
+        except (ValueError, RuntimeError) as e:
+            _refuse(e)
+            return None
+    if not EVERYWHERE:
+        return None
+    return cascade_reference(queries, own_keys, own_values, pad, used, keys, values, scale)
+
+
+def cascade_reference(queries: mx.array, own_keys: mx.array, own_values: mx.array,
+                      pad: mx.array, used: int, keys: mx.array, values: mx.array,
+                      scale: float, dtype: mx.Dtype | None = None) -> mx.array:
+    """`cascade_attention`'s contract in MLX ops: float32 throughout, the result cast to
+    `dtype` (by default the queries')."""
+    B, n_heads, L, D = queries.shape
+    kv_heads = keys.shape[1]
+    width = n_heads // kv_heads * L
+    q = (queries.astype(mx.float32) * scale).reshape(B, kv_heads, width, D)
+    prefix = q @ keys.astype(mx.float32).swapaxes(-1, -2)  # (B, kv_heads, width, length)
+    own = q @ own_keys[:, :, :used].astype(mx.float32).swapaxes(-1, -2)
+    key = mx.arange(used)
+    last = used - L + mx.arange(width) % L  # each query's own position
+    seen = (key >= pad.reshape(B, 1, 1, 1)) & (key <= last[:, None])
+    scores = mx.concatenate([prefix, mx.where(seen, own, -mx.inf)], axis=-1)
+    both = mx.concatenate([mx.broadcast_to(values, (B,) + values.shape[1:]),
+                           own_values[:, :, :used]], axis=2).astype(mx.float32)
+    out = mx.softmax(scores, axis=-1) @ both
+    return out.reshape(B, n_heads, L, D).astype(dtype or queries.dtype)

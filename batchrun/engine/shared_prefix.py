@@ -257,6 +257,19 @@ def attention_with_prefix(queries: mx.array, keys: mx.array, values: mx.array,
     rows of a prefix at once), merged by log-sum-exp; `sinks` (one logit per query head, as
     gpt-oss has) join the softmax's denominator."""
     B, n_heads, L, D = queries.shape
+    groups = cache.groups()
+    if sinks is None and len(groups) == 1 and len(groups[0][1]) == B:  # one prefix for all
+        prefix = groups[0][0]
+        keys_p, values_p = prefix.keys[cache.layer], prefix.values[cache.layer]
+        if prefix_attention.serves_cascade(queries, cache.keys, keys_p, values_p):
+            # A prefill: the whole of it in one kernel (no mask, scores or merge in MLX ops).
+            out = prefix_attention.cascade_attention(
+                queries, cache.keys, cache.values, cache.left_padding, cache._idx, keys_p,
+                values_p, scale)
+            if out is not None:
+                if queries.size // D * prefix.length > EVAL_CHUNKS_ABOVE:
+                    mx.eval(out)  # as below: one layer's intermediates at a time
+                return out
     kv_heads = keys.shape[1]
     G = n_heads // kv_heads  # query heads per KV head
     q = (queries.astype(mx.float32) * scale).reshape(B, kv_heads, G * L, D)
@@ -268,7 +281,7 @@ def attention_with_prefix(queries: mx.array, keys: mx.array, values: mx.array,
         scores = q @ keys.astype(mx.float32).swapaxes(-1, -2)  # (B, kv_heads, G*L, own)
         out, lse = attend(scores, values, _own_mask(mask, B, G, L, keys.shape[2]))
     wide = False  # a prefill the kernel served that is worth evaluating layer by layer
-    for prefix, rows in cache.groups():
+    for prefix, rows in groups:
         whole = len(rows) == B
         index = None if whole else mx.array(rows)
         q_rows = q if whole else q[index]
