@@ -114,6 +114,14 @@ for kernel in (decode_attention, prefix_attention):
     traced(kernel, "_verify")
 traced(generate.PromptProcessingBatch, "prompt",
        lambda a, r: f"{len(a[1])} rows, longest {max(map(len, a[1]), default=0)} tokens")
+# A wave's change in a job of several waves (the running batch's step, finished rows leaving,
+# new rows made into a batch, split off and joined): what the gap before a wave's prefill is.
+traced(generate.GenerationBatch, "next", lambda a, r: f"{len(a[0])} rows")
+traced(generate.GenerationBatch, "extend", lambda a, r: f"{len(a[1])} rows joining")
+traced(generate.GenerationBatch, "filter", lambda a, r: f"{len(a[1])} rows kept")
+traced(generate.PromptProcessingBatch, "split", lambda a, r: f"{len(a[1])} rows")
+traced(generate.PromptProcessingBatch, "extend")
+traced(generate.BatchGenerator, "_make_batch", lambda a, r: f"{a[1]} rows")
 
 BUILT: list[float] = []
 
