@@ -1,15 +1,18 @@
 """Issue 18's speculative-decoding benchmarks, on the trained demo pair (this CPU or a GPU):
 
-    python scripts/bench_speculate.py OUT_DIR [--reps 3] [--workloads few,extract,tail,full]
+    python scripts/bench_speculate.py OUT_DIR [--reps 3] [--workloads few,long,extract,tail,full]
 
 Each workload runs its systems interleaved, `--reps` times, in one process (engine time from
 the first request to the last output; the model and draft loaded once, a warm-up first):
 - few: 8 sample questions (sample_data/prompts.jsonl, not its weather-tool rows), greedy,
   max_tokens 256 (the model ends its answers itself); plain, then --draft-model with 4 and 6
   guesses, then ngram (and with --other-draft PATH, that draft with 4 and 6 guesses);
+- long: the same 8 rows made 256 tokens each (min_tokens 256: past its answer the model goes
+  on as its lessons taught it), the issue's 8 x 256 job; the same systems;
   few_sampled: the same rows sampled (temperature 0.7, seeded);
-- extract: 16 rows whose answer copies a span of the prompt (a reference text holding the
-  facts the model answers from, then the question), max_tokens 128; plain, ngram, draft;
+- extract: 8 rows whose answer copies spans of the prompt (a reference text holding the facts
+  the model answers from, then the question), max_tokens 128; plain, ngram with 4 and 6
+  guesses, the draft with 6;
 - tail: 512 sample questions at the CPU's default concurrency; the tail is the time from the
   461st finished row (90%) to the last; plain, then draft (speculating by measurement);
 - full: 256 rows of the random-weight demo model (the trained draft's tokenizer), 48 tokens
@@ -38,7 +41,7 @@ from batchrun.models import (  # noqa: E402
     RANDOM_DEMO_MODEL,
     load_model,
 )
-from batchrun.models.lessons import FACTS  # noqa: E402
+from batchrun.models.lessons import FACTS, reference_text  # noqa: E402
 
 
 def questions(n: int, tools: bool = True) -> list[list[dict]]:
@@ -56,25 +59,27 @@ def extraction(n: int) -> list[list[dict]]:
     for i in range(n):
         topic = topics[i % len(topics)]
         task = "Explain {t} in two sentences." if i % 2 else "List three facts about {t}."
-        reference = " ".join(FACTS[topic][0])
-        out.append([{"role": "system", "content": f"Reference: {reference}"},
+        out.append([{"role": "system", "content": reference_text(topic)},
                     {"role": "user", "content": task.format(t=topic)}])
     return out
 
 
 SYSTEMS = {"plain": ("off", 4), "draft4": ("draft", 4), "draft6": ("draft", 6),
-           "ngram": ("ngram", 4), "draft": ("draft", 4),
+           "ngram": ("ngram", 4), "ngram6": ("ngram", 6), "draft": ("draft", 4),
            "other4": ("other", 4), "other6": ("other", 6)}  # --other-draft's
 DRAFTS = {"draft": DEMO_DRAFT_MODEL}
 WORKLOADS = {
     # name: (target, rows, params, concurrency, systems)
     "few": (DEMO_MODEL, lambda: questions(8, tools=False), SamplingParams(max_tokens=256), 8,
             ("plain", "draft4", "draft6", "ngram")),
+    "long": (DEMO_MODEL, lambda: questions(8, tools=False),
+             SamplingParams(max_tokens=256, min_tokens=256), 8,
+             ("plain", "draft4", "draft6", "ngram")),
     "few_sampled": (DEMO_MODEL, lambda: questions(8, tools=False),
                     SamplingParams(max_tokens=256, temperature=0.7, seed=5), 8,
                     ("plain", "draft4", "draft6")),
-    "extract": (DEMO_MODEL, lambda: extraction(16), SamplingParams(max_tokens=128), 16,
-                ("plain", "ngram", "draft4")),
+    "extract": (DEMO_MODEL, lambda: extraction(8), SamplingParams(max_tokens=128), 8,
+                ("plain", "ngram", "ngram6", "draft6")),
     "tail": (DEMO_MODEL, lambda: questions(512), SamplingParams(max_tokens=256), None,
              ("plain", "draft4")),
     "full": (RANDOM_DEMO_MODEL, lambda: questions(256), SamplingParams(max_tokens=48), 256,
