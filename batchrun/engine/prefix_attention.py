@@ -225,6 +225,17 @@ __device__ __forceinline__ void br_start(BrState& st) {
   st.sum[0] = st.sum[1] = 0.f;
 }
 
+// A fresh state that has attended KV head kvh's prefix (k, v: (kv_heads, length, D)), every
+// key of it.
+__device__ __forceinline__ void br_prefix(BrState& st, const br_u32 (&qa)[BR_KD][4],
+                                          const br_u16* k, const br_u16* v, int kvh, int length,
+                                          float scale_log2, br_u16* k_s, br_u16* v_s) {
+  br_start(st);
+  const int all[2] = {length, length};
+  br_keys(st, qa, k + (size_t)kvh * length * D, v + (size_t)kvh * length * D, 0, length, all,
+          scale_log2, k_s, v_s);
+}
+
 // The row sums, whole across each row's four threads.
 __device__ __forceinline__ void br_finish(BrState& st) {
   #pragma unroll
@@ -257,10 +268,7 @@ NAME(const br_u16* q, const br_u16* k, const br_u16* v, float* out, float* lse,
   br_u32 qa[BR_KD][4];
   br_queries(qa, q, at, valid);
   BrState st;
-  br_start(st);
-  const int all[2] = {length, length};
-  br_keys(st, qa, k + (size_t)kvh * length * D, v + (size_t)kvh * length * D, 0, length, all,
-          scale_log2, k_s, v_s);
+  br_prefix(st, qa, k, v, kvh, length, scale_log2, k_s, v_s);
   br_finish(st);
   #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -306,10 +314,7 @@ CASCADE_NAME(const br_u16* q, const br_u16* k, const br_u16* v, const br_u16* ok
   br_u32 qa[BR_KD][4];
   br_queries(qa, q, at, valid);
   BrState st;
-  br_start(st);
-  const int all[2] = {length, length};
-  br_keys(st, qa, k + (size_t)kvh * length * D, v + (size_t)kvh * length * D, 0, length, all,
-          scale_log2, k_s, v_s);
+  br_prefix(st, qa, k, v, kvh, length, scale_log2, k_s, v_s);
   const size_t own = ((size_t)row * kv_heads + kvh) * stride * D;
   br_keys(st, qa, ok + own, ov + own, pad[row], used, lim, scale_log2, k_s, v_s);
   br_finish(st);
