@@ -26,22 +26,6 @@ def test_every_sample_question_has_an_answer_and_every_review_its_sentiment():
     assert lessons.examples(7, 50) == lessons.examples(7, 50)
 
 
-def test_a_reference_lesson_answers_with_sentences_of_its_reference():
-    rng = random.Random(5)
-    others = 0
-    for _ in range(100):
-        system, user, assistant = lessons.reference_chat(rng)
-        assert system["content"].startswith("Reference: ")
-        topic = next(t for t in build.TOPICS if user["content"] in (
-            task.format(t=t) for task in lessons.FACT_TASKS))
-        assert assistant["content"] == lessons.answer(user["content"], topic)
-        for line in assistant["content"].splitlines():  # "1. A fact." or two facts
-            sentence = line.split(". ", 1)[1] if line[:1].isdigit() else line
-            assert sentence in system["content"]
-        others += system["content"].count(".") > 3  # another topic's facts beside them
-    assert 20 < others < 80
-
-
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     from transformers import PreTrainedTokenizerFast
@@ -124,24 +108,3 @@ def test_the_trained_demo_labels_the_sample_reviews_and_calls_the_sample_tool(
     assert result.exit_code == 0, result.output
     record = orjson.loads((tmp_path / "w" / "results.jsonl").read_bytes())
     assert record["tool_calls"] == [{"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
-
-
-def test_the_trained_demo_answers_from_a_reference_in_its_sentences(trained):
-    """Extraction rows (the answer's sentences are spans of the prompt, which n-gram
-    speculation copies): a reference text, then a question it answers."""
-    from batchrun.engine.engine import Engine
-    from batchrun.engine.request import EngineConfig, SamplingParams
-
-    topics = build.TOPICS[:6]
-    chats = [[{"role": "system", "content": lessons.reference_text(topic)},
-              {"role": "user", "content": lessons.FACT_TASKS[i % 2].format(t=topic)}]
-             for i, topic in enumerate(topics)]
-    engine = Engine(trained.model, trained.tokenizer, EngineConfig(max_concurrency=8),
-                    trained.context_length)
-    outputs = engine.generate(chats, SamplingParams(max_tokens=96))
-    copied = 0
-    for chat, out in zip(chats, outputs, strict=True):
-        sentences = [line.split(". ", 1)[-1] if line[:1].isdigit() else line
-                     for line in out.text.strip().splitlines()]
-        copied += all(s and s in chat[0]["content"] for s in sentences)
-    assert copied >= 5, [o.text for o in outputs]

@@ -4,8 +4,6 @@ as the sample data (build.py), so the demo answers the sample jobs sensibly.
 - labeling: a review (build.review) with the sample jobs' instruction and prompt template,
   answered with its sentiment (rating 4-5 positive, 1-2 negative, 3 neutral);
 - questions: build.TASKS about build.TOPICS, answered from a few facts a topic written here;
-- references: a question after a reference text holding its topic's facts (extraction rows:
-  the answer's sentences are spans of the prompt);
 - tools: "What is the weather in <city>?" with the sample's get_weather tool, answered with a
   tool call; without tools, a sentence saying there is no weather tool;
 - text: reviews and answers as plain text, for raw prompts.
@@ -175,27 +173,11 @@ def question_chat(rng: random.Random) -> list[dict]:
     return system + [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
 
 
-# The tasks whose answers are a topic's facts, word for word.
-FACT_TASKS = ["Explain {t} in two sentences.", "List three facts about {t}."]
-
-
-def reference_text(topic: str, other: str | None = None) -> str:
-    """A reference holding a topic's facts (and, given, another topic's before or after)."""
-    parts = [" ".join(FACTS[topic][0])] + ([" ".join(FACTS[other][0])] if other else [])
-    return "Reference: " + " ".join(parts)
-
-
-def reference_chat(rng: random.Random) -> list[dict]:
-    """A question after a reference text that holds its answer's sentences (half the time
-    beside another topic's facts): the usual answer, every sentence of it a span of the
-    prompt, as extraction rows' answers are (n-gram speculation's case)."""
-    task, topic = rng.choice(FACT_TASKS), rng.choice(TOPICS)
-    other = rng.choice([t for t in TOPICS if t != topic]) if rng.random() < 0.5 else None
-    text = reference_text(topic, other) if rng.random() < 0.5 or other is None else \
-        reference_text(other, topic)
-    return [{"role": "system", "content": text},
-            {"role": "user", "content": task.format(t=topic)},
-            {"role": "assistant", "content": answer(task, topic)}]
+def reference_text(topic: str) -> str:
+    """A reference holding a topic's facts: the system message of scripts/bench_speculate.py's
+    extraction rows. Not a lesson: a pair trained on such rows (session 12) answered them from
+    the reference but garbled more of the sample questions (BENCHMARKS.md)."""
+    return "Reference: " + " ".join(FACTS[topic][0])
 
 
 def weather_chat(rng: random.Random) -> tuple[list[dict], list[dict] | None]:
@@ -224,10 +206,8 @@ def examples(seed: int, n: int) -> list[tuple[list[dict] | str, list[dict] | Non
         kind = rng.random()
         if kind < 0.45:
             out.append((labeling_chat(rng), None))
-        elif kind < 0.69:
-            out.append((question_chat(rng), None))
         elif kind < 0.75:
-            out.append((reference_chat(rng), None))
+            out.append((question_chat(rng), None))
         elif kind < 0.82:
             out.append(weather_chat(rng))
         else:
