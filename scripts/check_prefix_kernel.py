@@ -84,7 +84,8 @@ def cascade_correctness() -> list[dict]:
         v = mx.random.normal((1, kv_heads, length, D)).astype(dtype)
         own_k = mx.random.normal((B, kv_heads, stride, D)).astype(dtype)
         own_v = mx.random.normal((B, kv_heads, stride, D)).astype(dtype)
-        pad = mx.array([(7 * b) % (used - L + 1) for b in range(B)])
+        # Left padding from none to past where the new tokens start (padding queries).
+        pad = mx.array([min(used, (7 * b) % (used - L + 4)) for b in range(B)])
         scale = D ** -0.5
         out = pa.cascade_attention(queries, own_k, own_v, pad, used, k, v, scale)
         mx.eval(out)

@@ -99,9 +99,17 @@ def test_the_whole_prefill_path_serves_rows_under_one_prefix_with_queries_to_spa
 def test_a_refused_cascade_launch_takes_the_parts_path_for_that_call(monkeypatch, caplog):
     monkeypatch.setattr(pa, "on_cuda", lambda: True)
     monkeypatch.setattr(pa, "_refused", [])
+    monkeypatch.setattr(pa, "_cascade_refused", [])
     monkeypatch.setattr(pa, "_compiled", lambda *args: ("name", b"ptx"))
     monkeypatch.setattr(pa, "_verify", lambda *args: None)
-    monkeypatch.setattr(pa, "_launch", lambda q, k, v, scale: pa.reference(q, k, v, scale))
+    monkeypatch.setattr(pa, "_verify_cascade", lambda *args: None)
+    prefix_parts = []
+
+    def launch(q, k, v, scale):
+        prefix_parts.append(q.shape[0])
+        return pa.reference(q, k, v, scale)
+
+    monkeypatch.setattr(pa, "_launch", launch)
 
     def refused(*args):
         raise RuntimeError("[precompiled_cuda_kernel] failed to load the module")
@@ -112,7 +120,11 @@ def test_a_refused_cascade_launch_takes_the_parts_path_for_that_call(monkeypatch
     keys, values = cache.keys[..., :used, :], cache.values[..., :used, :]
     with caplog.at_level("WARNING", logger="batchrun"):
         out = shared_prefix.attention_with_prefix(queries, keys, values, cache, 0.125, mask)
-    assert sum("shared-prefix attention kernel" in r.message for r in caplog.records) == 1
+    assert [r.message for r in caplog.records] == [
+        "the shared-prefix prefill kernel is not available ([precompiled_cuda_kernel] failed "
+        "to load the module); prefills under a shared prefix take the prefix kernel and MLX's "
+        "ops"]
+    assert prefix_parts == [3] and pa._refused == []  # the prefix kernel served its part
     monkeypatch.setattr(pa, "ENABLED", False)  # MLX's ops throughout
     expected = shared_prefix.attention_with_prefix(queries, keys, values, cache, 0.125, mask)
     assert mx.allclose(out.astype(mx.float32), expected.astype(mx.float32), atol=2e-2)
@@ -241,30 +253,88 @@ def test_a_kernel_variant_is_checked_against_the_reference_before_rows_use_it(
         out, lse = pa.reference(q, k, v, scale)
         return (out, lse + 0.5) if broken else (out, lse)
 
-    def launch_cascade(queries, own_k, own_v, pad, used, k, v, scale):
-        cascaded.append((queries.shape, pad.tolist(), used))
-        return pa.cascade_reference(queries, own_k, own_v, pad, used, k, v, scale)
-
-    cascaded = []
     monkeypatch.setattr(pa, "_launch", launch)
-    monkeypatch.setattr(pa, "_launch_cascade", launch_cascade)
     q, k, v = inputs(dtype=mx.bfloat16)
     with caplog.at_level("WARNING", logger="batchrun"):
         assert pa.serves(q, k, v) is not broken
         assert pa.serves(q, k, v) is not broken
-    assert len(launched) == len(cascaded) == 1  # once a variant
-    # The check's inputs leave the last block of queries and the last tile of keys part-full,
-    # and give the cascade kernel rows of two blocks, with and without left padding.
+    assert len(launched) == 1  # once a variant
+    # The check's inputs leave the last block of queries and the last tile of keys part-full.
     rows_, _, width, _ = launched[0]
     assert rows_ * width % pa.QUERIES_A_BLOCK and 150 % 64
-    (_, heads, L, _), pad, used = cascaded[0]
-    assert pa.QUERIES_A_BLOCK < heads // 2 * L < 2 * pa.QUERIES_A_BLOCK
-    assert 0 in pad and max(pad) > 0 and used > L
     warnings = [r.message for r in caplog.records if "shared-prefix attention kernel" in r.message]
     assert warnings == (["the shared-prefix attention kernel is not available (its results "
                          "differ from MLX's by 0.5 on a test input); the prefix part of "
                          "attention takes MLX's ops"] if broken else [])
     pa._verify.cache_clear()
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_the_cascade_kernel_is_checked_apart_and_its_failure_leaves_the_prefix_kernel(
+        monkeypatch, caplog, broken):
+    monkeypatch.setattr(pa, "on_cuda", lambda: True)
+    monkeypatch.setattr(pa, "_refused", [])
+    monkeypatch.setattr(pa, "_cascade_refused", [])
+    monkeypatch.setattr(pa, "_compiled", lambda *args: ("name", b"ptx"))
+    monkeypatch.setattr(pa, "_verify", lambda *args: None)
+    pa._verify_cascade.cache_clear()
+    cascaded = []
+
+    def launch_cascade(queries, own_k, own_v, pad, used, k, v, scale):
+        cascaded.append((queries.shape, pad.tolist(), used))
+        out = pa.cascade_reference(queries, own_k, own_v, pad, used, k, v, scale)
+        return out + 0.5 if broken else out
+
+    monkeypatch.setattr(pa, "_launch_cascade", launch_cascade)
+    (queries, cache, _, (k, v)), = prefill_chunks(chunks=(5,), dtype=mx.bfloat16)
+    with caplog.at_level("WARNING", logger="batchrun"):
+        assert pa.serves_cascade(queries, cache.keys, k, v) is not broken
+        assert pa.serves_cascade(queries, cache.keys, k, v) is not broken
+        q, pk, pv = inputs(dtype=mx.bfloat16)
+        assert pa.serves(q, pk, pv)  # the prefix kernel serves on either way
+    assert len(cascaded) == 1  # checked once
+    # Its inputs give rows of two blocks, with no left padding, some, and more than where
+    # their new tokens start (padding queries that see the prefix only).
+    (_, heads, L, _), pad, used = cascaded[0]
+    assert pa.QUERIES_A_BLOCK < heads // 2 * L < 2 * pa.QUERIES_A_BLOCK
+    assert 0 in pad and 0 < min(p for p in pad if p) <= used - L < max(pad) < used
+    warnings = [r.message for r in caplog.records if "kernel is not available" in r.message]
+    assert len(warnings) == broken and all(re.fullmatch(
+        r"the shared-prefix prefill kernel is not available \(its results differ from MLX's "
+        r"by 0\.5\d* on a test input\); prefills under a shared prefix take the prefix kernel "
+        r"and MLX's ops", w) for w in warnings)
+    monkeypatch.setattr(pa, "CASCADE_ENABLED", False)  # BATCHRUN_CASCADE_KERNEL=0
+    pa._verify_cascade.cache_clear()
+    assert not pa.serves_cascade(queries, cache.keys, k, v)
+    assert len(cascaded) == 1  # not even checked
+    pa._verify_cascade.cache_clear()
+
+
+def test_prefills_under_several_prefixes_or_with_sinks_keep_the_parts(monkeypatch, counted):
+    monkeypatch.setattr(pa, "EVERYWHERE", True)
+    (queries, cache, mask, (k, v)), = prefill_chunks(chunks=(5,))
+    used = cache._idx
+    keys, values = cache.keys[..., :used, :], cache.values[..., :used, :]
+    shared_prefix.attention_with_prefix(queries, keys, values, cache, 0.125, mask)
+    assert counted["cascade"] == [3] and counted["prefix"] == []
+    sinks = mx.zeros((queries.shape[1],))
+    shared_prefix.attention_with_prefix(queries, keys, values, cache, 0.125, mask, sinks)
+    assert counted["cascade"] == [3] and counted["prefix"] == [3]
+    other = shared_prefix.SharedPrefix([k[:, :, :20]], [v[:, :, :20]])
+    cache.prefixes[1] = other  # two prefixes in the batch
+    cache._groups = None
+    shared_prefix.attention_with_prefix(queries, keys, values, cache, 0.125, mask)
+    assert counted["cascade"] == [3] and sorted(counted["prefix"][1:]) == [1, 2]
+
+
+def test_the_cascade_path_refuses_a_grid_past_an_int(monkeypatch):
+    monkeypatch.setattr(pa, "EVERYWHERE", True)
+    (queries, cache, _, (k, v)), = prefill_chunks(chunks=(5,))
+    assert pa.serves_cascade(queries, cache.keys, k, v)
+    blocks = 2 ** 31 // 128  # rows of one block each (width 10 here)
+    huge = mx.broadcast_to(queries[:1], (blocks,) + queries.shape[1:])
+    assert not pa.serves_cascade(huge, cache.keys, k, v)
+    assert pa.serves_cascade(huge[: blocks - 1], cache.keys, k, v)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="NVIDIA ships NVRTC's wheels for Linux")

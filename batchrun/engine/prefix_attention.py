@@ -160,14 +160,15 @@ __device__ __forceinline__ void br_keys(BrState& st, const br_u32 (&qa)[BR_KD][4
         next[i >> 1] = fmaxf(next[i >> 1], x);
       }
     }
-    float corr[2];
+    float corr[2], base2[2];
     #pragma unroll
     for (int r = 0; r < 2; ++r) {  // a row's four threads share its max
       next[r] = fmaxf(next[r], __shfl_xor_sync(0xffffffffu, next[r], 1));
       next[r] = fmaxf(next[r], __shfl_xor_sync(0xffffffffu, next[r], 2));
-      // A row with no key so far keeps -inf, and must not make NaN of it: 0 stands in.
-      if (next[r] == -BR_INF) next[r] = 0.f;
-      corr[r] = exp2f(st.top[r] - next[r]);
+      // A row with no key so far keeps its max at -inf; the exponentials then subtract 0
+      // instead (all of them are 0), so that -inf - -inf makes no NaN.
+      base2[r] = next[r] == -BR_INF ? 0.f : next[r];
+      corr[r] = exp2f(st.top[r] - base2[r]);
       st.top[r] = next[r];
       st.sum[r] *= corr[r];
     }
@@ -180,7 +181,7 @@ __device__ __forceinline__ void br_keys(BrState& st, const br_u32 (&qa)[BR_KD][4
     for (int n = 0; n < BR_NT; ++n) {
       #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const float p = exp2f(s[n][i] - st.top[i >> 1]);
+        const float p = exp2f(s[n][i] - base2[i >> 1]);
         s[n][i] = p;
         st.sum[i >> 1] += p;
       }
@@ -331,6 +332,7 @@ CASCADE_NAME(const br_u16* q, const br_u16* k, const br_u16* v, const br_u16* ok
 """
 _KINDS = {mx.float16: 1, mx.bfloat16: 2}
 _refused: list[str] = []  # why the kernel cannot run in this process, once known
+_cascade_refused: list[str] = []  # why the cascade kernel alone cannot run, once known
 CASCADE = "_cascade"  # the cascade kernel's name is the variant's with this added
 
 
@@ -394,29 +396,41 @@ TOLERANCE = {mx.float16: 5e-3, mx.bfloat16: 3e-2}
 @cache
 def _verify(dtype: mx.Dtype, D: int) -> None:
     """A variant's first call, before any row depends on it: small random inputs (a width that
-    does not fill the last block, a length that does not fill the last tile, rows' own keys
-    with and without left padding) through both kernels against `reference` and
-    `cascade_reference`; ValueError if they differ (a GPU or driver it was never run on,
-    say)."""
-    parts = mx.random.split(mx.random.key(0), 6)
+    does not fill the last block, a length that does not fill the last tile) against
+    `reference`; ValueError if they differ (a GPU or driver it was never run on, say)."""
+    key = mx.random.key(0)
+    parts = mx.random.split(key, 3)
     q = mx.random.normal((3, 2, 37, D), key=parts[0]).astype(dtype)
     k = mx.random.normal((1, 2, 150, D), key=parts[1]).astype(dtype)
     v = mx.random.normal((1, 2, 150, D), key=parts[2]).astype(dtype)
-    # Two query heads a KV head, laid out as a model's queries are (no copy for the kernel: a
-    # copy's first use cost ~0.1 s on the H200, scripts/first_use_profile.py --watch).
-    queries = mx.random.normal((3, 37, 4, D), key=parts[3]).astype(dtype).transpose(0, 2, 1, 3)
-    own_k = mx.random.normal((3, 2, 64, D), key=parts[4]).astype(dtype)
-    own_v = mx.random.normal((3, 2, 64, D), key=parts[5]).astype(dtype)
-    pad = mx.array([0, 7, 13])
     out, lse = _launch(q, k, v, D ** -0.5)
-    whole = _launch_cascade(queries, own_k, own_v, pad, 50, k, v, D ** -0.5)
     with mx.stream(mx.cpu):  # exact float32 (CUDA's float32 matmuls may round as TF32)
         expected, expected_lse = reference(q, k, v, D ** -0.5)
-        expected_whole = cascade_reference(queries, own_k, own_v, pad, 50, k, v, D ** -0.5,
-                                           mx.float32)
-    error = max(mx.abs(out - expected).max().item(), mx.abs(lse - expected_lse).max().item(),
-                mx.abs(whole.astype(mx.float32) - expected_whole).max().item())
+    error = max(mx.abs(out - expected).max().item(), mx.abs(lse - expected_lse).max().item())
     if not error <= TOLERANCE[dtype]:  # NaN fails too
+        raise ValueError(f"its results differ from MLX's by {error:.3g} on a test input")
+
+
+@cache
+def _verify_cascade(dtype: mx.Dtype, D: int) -> None:
+    """The cascade kernel's first call, as `_verify`: two blocks a row, a prefix length that
+    does not fill its last tile, rows with no left padding, some, and more than where their
+    new tokens start (padding queries, which see the prefix only)."""
+    parts = mx.random.split(mx.random.key(1), 5)
+    k = mx.random.normal((1, 2, 150, D), key=parts[0]).astype(dtype)
+    v = mx.random.normal((1, 2, 150, D), key=parts[1]).astype(dtype)
+    # Two query heads a KV head, laid out as a model's queries are (no copy for the kernel: a
+    # copy's first use cost ~0.1 s on the H200, scripts/first_use_profile.py --watch).
+    queries = mx.random.normal((3, 37, 4, D), key=parts[2]).astype(dtype).transpose(0, 2, 1, 3)
+    own_k = mx.random.normal((3, 2, 64, D), key=parts[3]).astype(dtype)
+    own_v = mx.random.normal((3, 2, 64, D), key=parts[4]).astype(dtype)
+    pad = mx.array([0, 7, 20])  # the 37 new tokens start at 13
+    whole = _launch_cascade(queries, own_k, own_v, pad, 50, k, v, D ** -0.5)
+    with mx.stream(mx.cpu):
+        expected = cascade_reference(queries, own_k, own_v, pad, 50, k, v, D ** -0.5,
+                                     mx.float32)
+    error = mx.abs(whole.astype(mx.float32) - expected).max().item()
+    if not error <= TOLERANCE[dtype]:
         raise ValueError(f"its results differ from MLX's by {error:.3g} on a test input")
 
 
@@ -424,6 +438,25 @@ def _refuse(error: Exception) -> None:
     _refused.append(str(error))
     log.warning("the shared-prefix attention kernel is not available (%s); the prefix part "
                 "of attention takes MLX's ops", error)
+
+
+def _refuse_cascade(error: Exception) -> None:
+    _cascade_refused.append(str(error))
+    log.warning("the shared-prefix prefill kernel is not available (%s); prefills under a "
+                "shared prefix take the prefix kernel and MLX's ops", error)
+
+
+def _cascade_takes(queries: mx.array, keys: mx.array, values: mx.array) -> bool:
+    """Whether the cascade kernel runs this call: the prefix kernel would (same module), and
+    its own check passed. A cascade failure leaves the prefix kernel serving."""
+    if _cascade_refused or not _kernel_takes(queries, keys, values):
+        return False
+    try:
+        _verify_cascade(queries.dtype, queries.shape[-1])
+    except (ValueError, RuntimeError) as e:
+        _refuse_cascade(e)
+        return False
+    return True
 
 
 def _kernel_takes(q: mx.array, keys: mx.array, values: mx.array) -> bool:
@@ -497,9 +530,9 @@ def serves_cascade(queries: mx.array, own_keys: mx.array, keys: mx.array,
     B, n_heads, L, D = queries.shape
     if not (ENABLED and CASCADE_ENABLED) or L < 2 or keys.shape[2] == 0 or values.shape[-1] != D \
             or own_keys.dtype != queries.dtype or own_keys.shape[-1] != D \
-            or B * math.ceil(n_heads // keys.shape[1] * L / QUERIES_A_BLOCK) >= MAX_QUERIES:
-        return False
-    return EVERYWHERE or _kernel_takes(queries, keys, values)
+            or B * math.ceil(n_heads // keys.shape[1] * L / QUERIES_A_BLOCK) * 128 >= 2 ** 31:
+        return False  # (the last: the launch's grid counts threads in an int)
+    return EVERYWHERE or _cascade_takes(queries, keys, values)
 
 
 def cascade_attention(queries: mx.array, own_keys: mx.array, own_values: mx.array,
@@ -512,12 +545,12 @@ def cascade_attention(queries: mx.array, own_keys: mx.array, own_values: mx.arra
     queries' type and shape; the weights are rounded to that type for the second product, as
     the prefix kernel's are. The kernel on CUDA (EVERYWHERE: `cascade_reference`); None when
     MLX refused its launch (logged once): the caller takes its parts apart."""
-    if _kernel_takes(queries, keys, values):
+    if _cascade_takes(queries, keys, values):
         try:
             return _launch_cascade(queries, own_keys, own_values, pad, used, keys, values,
                                    scale)
         except (ValueError, RuntimeError) as e:
-            _refuse(e)
+            _refuse_cascade(e)
             return None
     if not EVERYWHERE:
         return None

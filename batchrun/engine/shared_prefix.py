@@ -262,7 +262,9 @@ def attention_with_prefix(queries: mx.array, keys: mx.array, values: mx.array,
         prefix = groups[0][0]
         keys_p, values_p = prefix.keys[cache.layer], prefix.values[cache.layer]
         if prefix_attention.serves_cascade(queries, cache.keys, keys_p, values_p):
-            # A prefill: the whole of it in one kernel (no mask, scores or merge in MLX ops).
+            # A prefill (or a speculative verification): the whole of it in one kernel. It
+            # takes the rows' own keys from their left padding on, causal, in place of `mask`:
+            # the mask this batch cache makes (make_mask) is exactly that.
             out = prefix_attention.cascade_attention(
                 queries, cache.keys, cache.values, cache.left_padding, cache._idx, keys_p,
                 values_p, scale)
