@@ -376,3 +376,41 @@ def test_the_model_as_its_own_draft_is_said(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="batchrun"):
         run(rows, "--job-dir", tmp_path / "j", "--model", DEMO_MODEL, "--draft-model", DEMO_MODEL)
     assert "the draft model is the model itself" in caplog.text
+
+
+def run_rows(lm, prompts, params: list, speculate="off", k=6):
+    """Each chat with its own parameters; (token ids a row in order, the engine)."""
+    config = EngineConfig(max_concurrency=8, speculate=speculate, draft_tokens=k,
+                          draft_model=str(DEMO_DRAFT_MODEL) if speculate == "draft" else None)
+    engine = Engine(lm.model, lm.tokenizer, config, lm.context_length)
+    if engine.speculator:
+        engine.speculator.adaptive = False
+    ids = [engine.add_request(messages=c, params=p) for c, p in zip(prompts, params, strict=True)]
+    outs = {o.request_id: o.token_ids for o in engine.run()}
+    return [outs[i] for i in ids], engine
+
+
+@pytest.mark.parametrize("speculate", ["draft", "ngram"])
+def test_rows_with_min_tokens_or_logit_bias_speculate_to_the_same_tokens(pair, speculate):
+    """min_tokens and logit_bias depend on a token's position only: each guessed position
+    gets what plain decoding's call there would give (end tokens barred until min_tokens,
+    the bias added), and the rows speculate. A penalty (which depends on the tokens) keeps
+    the batch plain."""
+    eos = pair.tokenizer.eos_token_id
+    prompts = chats()
+    mixed = [SamplingParams(max_tokens=70, min_tokens=60),
+             SamplingParams(max_tokens=40, logit_bias=((eos, -3.0),)),
+             SamplingParams(max_tokens=50, min_tokens=8, logit_bias=((eos, 2.0),))]
+    params = [mixed[i % 3] for i in range(len(prompts))]
+    plain, _ = run_rows(pair, prompts, params)
+    spec, engine = run_rows(pair, prompts, params, speculate)
+    assert spec == plain
+    assert all(len(t) >= 60 for t in plain[::3])  # past the model's own answer
+    stats = engine.stats.speculation
+    assert stats.steps > 0 and stats.accepted > 0
+    # a row with a penalty, running longest: the batch holds it at every step
+    penalized = [SamplingParams(max_tokens=80, min_tokens=80, repetition_penalty=1.2)] + \
+        params[1:]
+    plain, _ = run_rows(pair, prompts, penalized)
+    spec, engine = run_rows(pair, prompts, penalized, speculate)
+    assert spec == plain and engine.stats.speculation.steps == 0

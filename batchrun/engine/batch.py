@@ -24,7 +24,7 @@ import numpy as np
 from mlx_lm.generate import GenerationBatch, _extend_cache
 
 from batchrun.engine.constrain import GrammarProcessor
-from batchrun.engine.sampling import greedy
+from batchrun.engine.sampling import LogitAdjustments, greedy
 from batchrun.engine.speculate import Speculator, ngram_proposal, rollback
 
 
@@ -33,6 +33,13 @@ def _matrix(logprobs) -> mx.array | None:
     if isinstance(logprobs, list):
         return mx.stack(logprobs) if logprobs else None
     return logprobs
+
+
+def _by_position(processors: list) -> bool:
+    """Whether a row's logits processors let it speculate: none, or one LogitAdjustments that
+    depends on positions only (logit bias, min_tokens)."""
+    return not processors or (len(processors) == 1 and isinstance(processors[0], LogitAdjustments)
+                              and processors[0].by_position)
 
 
 class LeanGenerationBatch(GenerationBatch):
@@ -153,7 +160,7 @@ class LeanGenerationBatch(GenerationBatch):
         rows = len(self.uids)
         speculating = spec is not None and spec.wants(
             rows, self.prompt_cache,
-            allowed=not any(self.logits_processors) and any(self._room(1)))
+            allowed=all(map(_by_position, self.logits_processors)) and any(self._room(1)))
         timed = True
         if speculating:
             emitted, logprobs, timed = self._speculative_step(spec)
@@ -230,6 +237,11 @@ class LeanGenerationBatch(GenerationBatch):
             drafts = mx.array(guesses, dtype=inputs.dtype)
         logits = self.model(mx.concatenate([inputs[:, None], drafts], axis=1),
                             cache=self.prompt_cache)
+        adjusted = [i for i, p in enumerate(self.logits_processors) if p]
+        if adjusted:  # logit bias, min_tokens: what each position's call would do
+            index = mx.array(adjusted)
+            logits[index] = mx.stack([self.logits_processors[i][0].at_positions(logits[i])
+                                      for i in adjusted]).astype(logits.dtype)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (rows, k + 1, V)
         choices = mx.stack([choose(logprobs[:, j], j) for j in range(k + 1)], axis=1)
         mx.eval(choices, drafts)
@@ -244,6 +256,8 @@ class LeanGenerationBatch(GenerationBatch):
         rollback(self.prompt_cache, drop, [uid in self.logprob_uids for uid in self.uids])
         if spec.method == "draft":
             spec.draft.rollback(drop)
+        for i in adjusted:  # positions 0 .. kept chose tokens (the last one the next pending)
+            self.logits_processors[i][0].advance(kept[i] + 1)
         emitted = [[pending[i], *proposed[i][:n]] for i, n in enumerate(kept)]
         for i, tokens in enumerate(emitted):
             self.tokens[i].extend(tokens)  # what the cache holds

@@ -86,6 +86,31 @@ class LogitAdjustments:
         self.end_ids = mx.array(sorted({*end_ids, *params.stop_token_ids}))
         self.generated = 0  # tokens generated before this call
 
+    @property
+    def by_position(self) -> bool:
+        """Whether what it does to a token's logits depends only on how many tokens came
+        before it (logit bias, min_tokens), not on which (penalties): a speculative step can
+        then apply it to every guessed position at once (`at_positions`)."""
+        p = self.params
+        return p.repetition_penalty == 1 and not p.presence_penalty and not p.frequency_penalty
+
+    def at_positions(self, logits: mx.array) -> mx.array:
+        """`logits` (positions, vocab) of the row's next tokens, the first of them the one this
+        processor would be called for next, adjusted as those calls would (`by_position` only;
+        `advance` counts the ones used)."""
+        p = self.params
+        logits = logits.astype(mx.float32)
+        if self.bias is not None:
+            logits = logits.at[:, self.bias[0]].add(self.bias[1])
+        barred = min(logits.shape[0], max(0, p.min_tokens - self.generated))
+        if barred:
+            logits[:barred, self.end_ids] = -mx.inf
+        return logits
+
+    def advance(self, n: int) -> None:
+        """`n` tokens were chosen from `at_positions`' logits."""
+        self.generated += n
+
     def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
         p = self.params
         n, self.generated = self.generated, self.generated + 1
