@@ -21,8 +21,9 @@ the same keys, which is what makes its guesses of a sampled row's tokens good on
 Rows that report log-probabilities, or have a token to go, propose nothing; a batch holding a
 row with logits processors that look at the tokens (penalties, grammars, thinking budgets), or
 none that may propose, decodes plainly (logit bias and min_tokens depend on positions only: a
-verification applies them at each guessed position); architectures whose caches cannot be cut back (sliding windows, recurrent
-state) do not speculate, and the log says so once. A draft's KV cache is not counted in the
+verification applies them at each guessed position); architectures whose caches cannot be
+cut back (sliding windows, recurrent state) do not speculate, and the log says so once. A
+draft's KV cache is not counted in the
 engine's memory budget (a draft is meant to be small).
 """
 
