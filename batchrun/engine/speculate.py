@@ -23,8 +23,7 @@ row with logits processors that look at the tokens (penalties, grammars, thinkin
 none that may propose, decodes plainly (logit bias and min_tokens depend on positions only: a
 verification applies them at each guessed position); architectures whose caches cannot be
 cut back (sliding windows, recurrent state) do not speculate, and the log says so once. A
-draft's KV cache is not counted in the
-engine's memory budget (a draft is meant to be small).
+draft's KV cache is not counted in the engine's memory budget (a draft is meant to be small).
 """
 
 from __future__ import annotations
