@@ -98,25 +98,30 @@ class LogitAdjustments:
         """`logits` (positions, vocab) of the row's next tokens, the first of them the one this
         processor would be called for next, adjusted as those calls would (`by_position` only;
         `advance` counts the ones used)."""
-        p = self.params
-        logits = logits.astype(mx.float32)
-        if self.bias is not None:
-            logits = logits.at[:, self.bias[0]].add(self.bias[1])
-        barred = min(logits.shape[0], max(0, p.min_tokens - self.generated))
-        if barred:
-            logits[:barred, self.end_ids] = -mx.inf
-        return logits
+        return self._barred(self._biased(logits), self.generated)
 
     def advance(self, n: int) -> None:
         """`n` tokens were chosen from `at_positions`' logits."""
         self.generated += n
 
-    def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
-        p = self.params
-        n, self.generated = self.generated, self.generated + 1
+    def _biased(self, logits: mx.array) -> mx.array:
         logits = logits.astype(mx.float32)
         if self.bias is not None:
             logits = logits.at[:, self.bias[0]].add(self.bias[1])
+        return logits
+
+    def _barred(self, logits: mx.array, n: int) -> mx.array:
+        """The end ids barred in the rows (consecutive tokens, the first with `n` generated
+        before it) that come before min_tokens."""
+        barred = min(logits.shape[0], max(0, self.params.min_tokens - n))
+        if barred:
+            logits[:barred, self.end_ids] = -mx.inf
+        return logits
+
+    def __call__(self, context: mx.array, logits: mx.array) -> mx.array:
+        p = self.params
+        n, self.generated = self.generated, self.generated + 1
+        logits = self._biased(logits)
         if p.repetition_penalty != 1 and context.size:
             seen = logits[:, context]
             logits[:, context] = mx.where(seen > 0, seen / p.repetition_penalty,
@@ -125,6 +130,4 @@ class LogitAdjustments:
             mine = context[-n:]
             counts = mx.zeros((logits.shape[-1],), mx.float32).at[mine].add(1)
             logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
-        if n < p.min_tokens:
-            logits[:, self.end_ids] = -mx.inf
-        return logits
+        return self._barred(logits, n)
