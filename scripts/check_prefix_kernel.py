@@ -118,13 +118,12 @@ def cascade_timing(rows: int, L: int, length: int, heads=32, kv_heads=8, D=64, r
     mx.eval(queries, keys, values, cache.keys, cache.values, mask)
 
     def parts():
-        real = pa.serves_cascade
-        pa.serves_cascade = lambda *args: False
+        pa.CASCADE_ENABLED = False  # as BATCHRUN_CASCADE_KERNEL=0
         try:
             return shared_prefix.attention_with_prefix(queries, keys, values, cache, D ** -0.5,
                                                        mask)
         finally:
-            pa.serves_cascade = real
+            pa.CASCADE_ENABLED = True
 
     calls = {"cascade": lambda: shared_prefix.attention_with_prefix(
                  queries, keys, values, cache, D ** -0.5, mask),

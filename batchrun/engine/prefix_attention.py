@@ -406,9 +406,8 @@ def _verify(dtype: mx.Dtype, D: int) -> None:
     out, lse = _launch(q, k, v, D ** -0.5)
     with mx.stream(mx.cpu):  # exact float32 (CUDA's float32 matmuls may round as TF32)
         expected, expected_lse = reference(q, k, v, D ** -0.5)
-    error = max(mx.abs(out - expected).max().item(), mx.abs(lse - expected_lse).max().item())
-    if not error <= TOLERANCE[dtype]:  # NaN fails too
-        raise ValueError(f"its results differ from MLX's by {error:.3g} on a test input")
+    _check_close(max(mx.abs(out - expected).max().item(),
+                     mx.abs(lse - expected_lse).max().item()), dtype)
 
 
 @cache
@@ -429,8 +428,12 @@ def _verify_cascade(dtype: mx.Dtype, D: int) -> None:
     with mx.stream(mx.cpu):
         expected = cascade_reference(queries, own_k, own_v, pad, 50, k, v, D ** -0.5,
                                      mx.float32)
-    error = mx.abs(whole.astype(mx.float32) - expected).max().item()
-    if not error <= TOLERANCE[dtype]:
+    _check_close(mx.abs(whole.astype(mx.float32) - expected).max().item(), dtype)
+
+
+def _check_close(error: float, dtype: mx.Dtype) -> None:
+    """A check's largest difference from the reference, within TOLERANCE or ValueError."""
+    if not error <= TOLERANCE[dtype]:  # NaN fails too
         raise ValueError(f"its results differ from MLX's by {error:.3g} on a test input")
 
 
