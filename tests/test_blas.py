@@ -38,3 +38,14 @@ def test_idle_openblas_threads_sleep_unless_the_user_says_otherwise(given, kept)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          check=True)
     assert out.stdout.split() == [kept, "True"]
+
+
+@pytest.mark.parametrize("given,kept", [(None, "0"), ("1", "1")])
+def test_mlx_attention_on_cuda_skips_cudnn_unless_the_user_says_otherwise(given, kept):
+    """MLX reads MLX_CUDA_USE_CUDNN_SDPA at its first attention call: batchrun's default (its
+    own fused attention, faster on the H200) is set on import, and a user's value stands."""
+    code = "import os, batchrun, mlx.core; print(os.environ['MLX_CUDA_USE_CUDNN_SDPA'])"
+    env = {"PATH": ""} | ({"MLX_CUDA_USE_CUDNN_SDPA": given} if given else {})
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True)
+    assert out.stdout.split() == [kept]
