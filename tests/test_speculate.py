@@ -284,6 +284,34 @@ def test_a_narrow_batch_speculates_only_while_it_measures_cheaper(monkeypatch, s
     assert spec.wants(1, cache) is expect
 
 
+def test_a_probe_replaces_what_its_kind_measured_long_ago(monkeypatch):
+    """Speculating turns costly (the rows' text moves where the draft guesses badly), plain
+    steps take over, then it turns cheap again: the first probe that measures it cheap brings
+    it back, its own measure replacing the stale one, and the draft's catching up on the plain
+    steps' tokens (one-time work) is not counted against it."""
+    clock = [0.0]
+    monkeypatch.setattr(speculate.time, "perf_counter", lambda: clock[0])
+    spec = Speculator("ngram", k=4, verify_tokens=40)
+    cache = [BatchKVCache([0, 0])]
+
+    def run(steps, spec_cost, catch_up_s=0.0):
+        choices = []
+        for _ in range(steps):
+            speculating = spec.wants(2, cache)
+            choices.append(speculating)
+            one_time = catch_up_s if speculating else 0.0
+            clock[0] += 4 * (spec_cost if speculating else 1.0) + one_time  # 4 tokens a step
+            spec.step(speculating, 2, 4, one_time)
+        return choices
+
+    assert run(6, 0.5)[-1] is True
+    assert run(4, 10.0)[-1] is False
+    cheap = run(speculate.PROBE_EVERY + 2, 0.5, catch_up_s=100.0)
+    probe = cheap.index(True)
+    assert 0 < probe <= speculate.PROBE_EVERY  # plain steps until the probe
+    assert all(cheap[probe:])  # speculating from the probe on
+
+
 # -- settings and errors ------------------------------------------------------------------------
 
 def test_the_guesses_a_step_default_alike_everywhere():

@@ -19,6 +19,8 @@ one forward and hands out every token a row keeps.
 
 from __future__ import annotations
 
+import time
+
 import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import GenerationBatch, _extend_cache
@@ -161,14 +163,14 @@ class LeanGenerationBatch(GenerationBatch):
         speculating = spec is not None and spec.wants(
             rows, self.prompt_cache,
             allowed=all(map(_by_position, self.logits_processors)) and any(self._room(1)))
-        timed = True
+        one_time_s = 0.0
         if speculating:
-            emitted, logprobs, timed = self._speculative_step(spec)
+            emitted, logprobs, one_time_s = self._speculative_step(spec)
         else:
             tokens, logprobs = self._step()
             emitted = [[t] for t in tokens]
         if spec is not None:
-            spec.step(speculating, rows, sum(map(len, emitted)), timed)
+            spec.step(speculating, rows, sum(map(len, emitted)), one_time_s)
         keep, responses = [], []
         wanted = self.logprob_uids
         for i, (uid, tokens) in enumerate(zip(self.uids, emitted, strict=True)):
@@ -198,12 +200,13 @@ class LeanGenerationBatch(GenerationBatch):
                 max(0, min(k, self.max_tokens[i] - self._num_tokens[i] - 1))
                 for i, uid in enumerate(self.uids)]
 
-    def _speculative_step(self, spec: Speculator) -> tuple[list[list[int]], mx.array, bool]:
+    def _speculative_step(self, spec: Speculator) -> tuple[list[list[int]], mx.array, float]:
         """Each row's pending token, then its proposals verified in one forward of the model;
         (each row's tokens this step: the pending one and the proposals it keeps, the pending
-        tokens' log-probabilities, whether the step's time is its own: no draft prefill). The
-        token the model chose after the last kept proposal is
-        the row's next pending one, and the KV of the proposals it did not keep is dropped."""
+        tokens' log-probabilities, the seconds it spent bringing the draft's cache up to the
+        batch: not the step's own cost). The token the model chose after the last kept
+        proposal is the row's next pending one, and the KV of the proposals it did not keep is
+        dropped."""
         inputs, current = self._next_tokens, _matrix(self._next_logprobs)
         mx.eval(inputs, current)
         pending = inputs.tolist()
@@ -223,9 +226,11 @@ class LeanGenerationBatch(GenerationBatch):
                                              for i in sampled])
             return out
 
-        prefilled = False
+        one_time_s = 0.0
         if spec.method == "draft":
-            prefilled = spec.draft.sync(self.uids, self.tokens)
+            start = time.perf_counter()
+            if spec.draft.sync(self.uids, self.tokens):
+                one_time_s = time.perf_counter() - start
             drafts = spec.draft.propose(inputs, k, choose)
         else:
             guesses = []
@@ -268,4 +273,4 @@ class LeanGenerationBatch(GenerationBatch):
         self._next_logprobs = logprobs[mx.arange(rows), mx.array(kept)]
         mx.async_eval(self._next_tokens, self._next_logprobs)
         spec.record(sum(room), sum(kept))
-        return emitted, current, not prefilled
+        return emitted, current, one_time_s

@@ -138,8 +138,9 @@ class DraftModel:
 
     def sync(self, uids: list[int], contexts: list[list[int]]) -> bool:
         """Make the cache's rows the batch's `uids` (in order), each holding `contexts[i]`:
-        the tokens in the target's cache for row i. Whether rows were prefilled (a one-time
-        cost, not the speculating step's)."""
+        the tokens in the target's cache for row i. Whether the draft computed anything for it
+        (rows prefilled, or fed the tokens of steps that did not speculate: a one-time cost,
+        not the speculating step's; evaluated here, so the caller can time it apart)."""
         if uids == self.uids:
             return self._catch_up(contexts)
         now = set(uids)
@@ -157,7 +158,7 @@ class DraftModel:
         if self.uids + [uids[i] for i in new] != uids:  # an order this cache cannot follow
             self.reset()
             new = list(range(len(uids)))
-        rebuilt = bool(self.uids) and self._catch_up(contexts[: len(self.uids)])
+        worked = bool(self.uids) and self._catch_up(contexts[: len(self.uids)])
         if new:
             caches = self._prefill([contexts[i] for i in new])
             if self.caches is None:
@@ -167,11 +168,14 @@ class DraftModel:
                     mine.extend(theirs)
             self.uids = self.uids + [uids[i] for i in new]
             self.seen = self.seen + [len(contexts[i]) for i in new]
-        return rebuilt or bool(new)
+        if worked or new:
+            mx.eval([c.state for c in self.caches])
+        return worked or bool(new)
 
     def _catch_up(self, contexts: list[list[int]]) -> bool:
         """Feed the rows the tokens their target cache gained without the draft (the same
-        number for every row: the steps that did not speculate); rebuilt otherwise (True)."""
+        number for every row: the steps that did not speculate), or rebuild the rows' cache;
+        whether there was anything to do."""
         behind = {len(c) - n for c, n in zip(contexts, self.seen, strict=True)}
         if behind == {0}:
             return False
@@ -181,7 +185,7 @@ class DraftModel:
             for start in range(0, m, self.prefill_step):
                 self.model(tokens[:, start: start + self.prefill_step], cache=self.caches)
             self.seen = [len(c) for c in contexts]
-            return False
+            return True
         uids = self.uids
         self.reset()
         self.caches = self._prefill(contexts)
@@ -237,8 +241,11 @@ class Speculator:
         self.stats = SpeculationStats()
         self.adaptive = True  # False: every narrow batch speculates, measured or not (tests)
         self._cost: dict[tuple[bool, int], float] = {}  # (speculated, width) -> s a token
-        self._step: tuple[float, bool, int, int] | None = None  # the step before: start, kind
+        # The step before: its start, kind, rows, tokens, seconds of one-time work, and whether
+        # it was a probe (the kind not running, tried again).
+        self._step: tuple[float, bool, int, int, float, bool] | None = None
         self._started = 0.0
+        self._probing = False
         self._since_probe = 0
         self._refused = False
 
@@ -249,7 +256,7 @@ class Speculator:
         is timed until now."""
         now = time.perf_counter()
         self._close_step(now)
-        self._started = now
+        self._started, self._probing = now, False
         if rows > self.max_rows or not allowed:
             return False
         if not speculates(caches):
@@ -269,7 +276,7 @@ class Speculator:
         cheaper = plain is None or spec < plain * (1 - MARGIN)
         self._since_probe += 1
         if self._since_probe >= PROBE_EVERY:
-            self._since_probe = 0
+            self._since_probe, self._probing = 0, True
             return not cheaper  # try the kind not running
         return cheaper
 
@@ -283,22 +290,25 @@ class Speculator:
                 return spec < plain * (1 - MARGIN)
         return False
 
-    def step(self, speculated: bool, rows: int, tokens: int, timed: bool = True) -> None:
-        """The step that started at the last `wants` made `tokens` tokens for `rows` rows
-        (not `timed`: it did one-time work besides, such as prefilling the draft's cache)."""
-        self._step = (self._started, speculated, rows, tokens) if timed else None
+    def step(self, speculated: bool, rows: int, tokens: int, one_time_s: float = 0.0) -> None:
+        """The step that started at the last `wants` made `tokens` tokens for `rows` rows,
+        `one_time_s` of its time spent on work that is not the step's own (bringing the draft's
+        cache up to the batch after steps that did not speculate, or prefilling new rows)."""
+        self._step = (self._started, speculated, rows, tokens, one_time_s, self._probing)
 
     def _close_step(self, now: float) -> None:
         if self._step is None:
             return
-        start, speculated, rows, tokens = self._step
+        start, speculated, rows, tokens, one_time_s, probe = self._step
         self._step = None
         if rows > self.max_rows or not tokens:
             return
-        cost = (now - start) / tokens
+        cost = max(0.0, now - start - one_time_s) / tokens
         width = _width(rows)
         old = self._cost.get((speculated, width))
-        self._cost[speculated, width] = cost if old is None else \
+        # A probe's kind last ran PROBE_EVERY steps ago or more: its own measure replaces what
+        # it measured then (a blend kept a stale figure deciding for many probes more).
+        self._cost[speculated, width] = cost if old is None or probe else \
             (1 - COST_WEIGHT) * old + COST_WEIGHT * cost
 
     def record(self, proposed: int, accepted: int) -> None:
