@@ -312,6 +312,40 @@ def test_a_probe_replaces_what_its_kind_measured_long_ago(monkeypatch):
     assert all(cheap[probe:])  # speculating from the probe on
 
 
+def test_tries_of_speculation_that_lose_come_less_and_less_often(monkeypatch):
+    """A draft that guesses badly all job long: each losing try waits twice as long as the one
+    before, up to PROBE_EVERY_MOST steps; once a try wins, tries come every PROBE_EVERY again."""
+    clock = [0.0]
+    monkeypatch.setattr(speculate.time, "perf_counter", lambda: clock[0])
+    spec = Speculator("ngram", k=4, verify_tokens=40)
+    cache = [BatchKVCache([0, 0])]
+    cost = [3.0]
+    choices = []
+    for _ in range(1200):
+        speculating = spec.wants(2, cache)
+        choices.append(speculating)
+        clock[0] += 4 * (cost[0] if speculating else 1.0)
+        spec.step(speculating, 2, 4)
+    tries = [i for i, c in enumerate(choices) if c]  # the first measures it
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert gaps == sorted(gaps)
+    assert gaps[0] <= speculate.PROBE_EVERY + 2 and gaps[1] >= 2 * speculate.PROBE_EVERY
+    assert max(gaps) in (speculate.PROBE_EVERY_MOST, speculate.PROBE_EVERY_MOST + 1)
+    assert len(tries) <= 8  # a try every 32 steps would be 37
+    cost[0] = 0.25  # the draft now guesses well: the next try wins and speculation stays on
+    after = []
+    for _ in range(speculate.PROBE_EVERY_MOST + 80):
+        speculating = spec.wants(2, cache)
+        after.append(speculating)
+        clock[0] += 4 * (cost[0] if speculating else 1.0)
+        spec.step(speculating, 2, 4)
+    won = after.index(True)
+    assert won <= speculate.PROBE_EVERY_MOST + 1
+    rest = after[won:]
+    assert all(a or b for a, b in zip(rest, rest[1:]))  # a plain step only as a try of its own
+    assert rest.count(False) <= 3
+
+
 # -- settings and errors ------------------------------------------------------------------------
 
 def test_the_guesses_a_step_default_alike_everywhere():

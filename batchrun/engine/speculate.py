@@ -47,10 +47,13 @@ NGRAM_LONGEST = 3  # the longest suffix matched first, down to NGRAM_SHORTEST to
 VERIFY_TOKENS = {"cpu": 64, "gpu": 256}
 # Whether a narrow batch speculates is measured: the seconds a row's token took in recent steps
 # of each kind at each batch width (widths pooled by powers of two; exponential averages, this
-# weight on the newest); the cheaper kind runs, and the other is tried again every PROBE_EVERY
-# steps.
+# weight on the newest); the cheaper kind runs, and the other is tried again PROBE_EVERY steps
+# later, then twice as long after each try that lost, up to PROBE_EVERY_MOST (measured on this
+# CPU: a speculative step that loses costs ~4 plain steps, and a probe every 32 steps cost a
+# 256-token job of rows the draft guesses badly ~10%).
 COST_WEIGHT = 0.3
 PROBE_EVERY = 32
+PROBE_EVERY_MOST = 256
 MARGIN = 0.05  # speculating must measure this much cheaper a token to go on
 NGRAM_SHORTEST = 2  # a single matching token guesses too often to pay
 TRIMMABLE = (BatchKVCache,)
@@ -247,6 +250,7 @@ class Speculator:
         self._started = 0.0
         self._probing = False
         self._since_probe = 0
+        self._probe_every = PROBE_EVERY
         self._refused = False
 
     def wants(self, rows: int, caches: list, allowed: bool = True) -> bool:
@@ -275,7 +279,7 @@ class Speculator:
             return True
         cheaper = plain is None or spec < plain * (1 - MARGIN)
         self._since_probe += 1
-        if self._since_probe >= PROBE_EVERY:
+        if self._since_probe >= self._probe_every:
             self._since_probe, self._probing = 0, True
             return not cheaper  # try the kind not running
         return cheaper
@@ -310,6 +314,11 @@ class Speculator:
         # it measured then (a blend kept a stale figure deciding for many probes more).
         self._cost[speculated, width] = cost if old is None or probe else \
             (1 - COST_WEIGHT) * old + COST_WEIGHT * cost
+        spec, plain = self._cost.get((True, width)), self._cost.get((False, width))
+        if probe and spec is not None and plain is not None:  # sooner after a try that won
+            won = (spec < plain * (1 - MARGIN)) == speculated
+            self._probe_every = PROBE_EVERY if won else \
+                min(2 * self._probe_every, PROBE_EVERY_MOST)
 
     def record(self, proposed: int, accepted: int) -> None:
         self.stats.steps += 1
