@@ -12,8 +12,9 @@ from batchrun import blas as _blas
 _blas.activate()
 # Before MLX's first attention on CUDA: its own fused attention rather than cuDNN's, unless the
 # user chose. Measured on the H200 (MLX 0.32.4, BENCHMARKS "cuDNN attention"): the 1,024-row
-# decode job ran 4.92-4.98 s without cuDNN against 5.42-5.53 s with it (interleaved), and a
-# labeling job on a warm prefix cache, which never reaches MLX's fused attention, was the same.
+# decode job was faster without cuDNN in three of four interleaved pairs (median 5.13 s against
+# 5.48), and a labeling job on a warm prefix cache, which never reaches MLX's fused attention,
+# was the same.
 _os.environ.setdefault("MLX_CUDA_USE_CUDNN_SDPA", "0")
 
 __version__ = "0.1.0"
