@@ -327,7 +327,7 @@ def test_tries_of_speculation_that_lose_come_less_and_less_often(monkeypatch):
         clock[0] += 4 * (cost[0] if speculating else 1.0)
         spec.step(speculating, 2, 4)
     tries = [i for i, c in enumerate(choices) if c]  # the first measures it
-    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    gaps = [b - a for a, b in zip(tries, tries[1:], strict=False)]
     assert gaps == sorted(gaps)
     assert gaps[0] <= speculate.PROBE_EVERY + 2 and gaps[1] >= 2 * speculate.PROBE_EVERY
     assert max(gaps) in (speculate.PROBE_EVERY_MOST, speculate.PROBE_EVERY_MOST + 1)
@@ -342,7 +342,7 @@ def test_tries_of_speculation_that_lose_come_less_and_less_often(monkeypatch):
     won = after.index(True)
     assert won <= speculate.PROBE_EVERY_MOST + 1
     rest = after[won:]
-    assert all(a or b for a, b in zip(rest, rest[1:]))  # a plain step only as a try of its own
+    assert all(a or b for a, b in zip(rest, rest[1:], strict=False))  # a plain step: a try
     assert rest.count(False) <= 3
 
 
