@@ -103,6 +103,9 @@ traced(feeder.Feeder, "take", lambda a, r: f"{len(r)} rows")
 traced(engine.Engine, "step", lambda a, r: f"running {len(a[0].scheduler.running)} "
        f"waiting {a[0].num_waiting} finished {len(r)}")
 traced(disk.DiskCache, "load_many", lambda a, r: f"{len(a[1])} keys")
+# A block file's read and check (on the reader threads) and its arrays made (on the loop's).
+traced(disk.DiskCache, "_read", lambda a, r: type(r).__name__)
+traced(disk.DiskCache, "_decode")
 traced(shared_prefix.SharedPrefix, "from_blocks", lambda a, r: f"{r.length} tokens")
 traced(text.TextBackend, "_extend", lambda a, r: f"{len(a[2])} tail tokens")
 traced(text.TextBackend, "compute_prefix", lambda a, r: f"{a[2]} prefix tokens")
