@@ -49,3 +49,15 @@ def test_mlx_attention_on_cuda_skips_cudnn_unless_the_user_says_otherwise(given,
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          check=True)
     assert out.stdout.split() == [kept]
+
+
+@pytest.mark.parametrize("given,kept", [(None, "0"), ("1", "1")])
+def test_float32_matmuls_stay_float32_unless_the_user_says_otherwise(given, kept):
+    """MLX would run float32 matmuls as TF32 on CUDA and M5 GPUs (rounding by shape, so a
+    float32 model's tokens could depend on the batch): batchrun turns that off on import, and a
+    user's value stands."""
+    code = "import os, batchrun, mlx.core; print(os.environ['MLX_ENABLE_TF32'])"
+    env = {"PATH": ""} | ({"MLX_ENABLE_TF32": given} if given else {})
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True)
+    assert out.stdout.split() == [kept]
