@@ -106,6 +106,9 @@ traced(disk.DiskCache, "load_many", lambda a, r: f"{len(a[1])} keys")
 # A block file's read and check (on the reader threads) and its arrays made (on the loop's).
 traced(disk.DiskCache, "_read", lambda a, r: type(r).__name__)
 traced(disk.DiskCache, "_decode")
+traced(engine.Engine, "read_ahead", lambda a, r: f"{len(a[1])} tokens")
+traced(disk.DiskCache, "read_ahead",
+       lambda a, r: f"{len(a[1])} keys, {len(a[0]._ahead)} reads started")
 traced(shared_prefix.SharedPrefix, "from_blocks", lambda a, r: f"{r.length} tokens")
 traced(text.TextBackend, "_extend", lambda a, r: f"{len(a[2])} tail tokens")
 traced(text.TextBackend, "compute_prefix", lambda a, r: f"{a[2]} prefix tokens")

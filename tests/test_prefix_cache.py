@@ -232,6 +232,35 @@ def test_a_job_reads_its_first_rows_blocks_ahead_once(tmp_path, monkeypatch):
     assert report["cached_prompt_tokens"] >= 0.8 * report["prompt_tokens"]
 
 
+def test_blocks_asked_for_during_the_warm_up_are_read_then(demo, tmp_path, monkeypatch):
+    """The warm-up sets the prefix cache aside (its rows must not reach it), yet the job's
+    feeder asks for the first row's blocks exactly then: the reads start at once, and the row
+    is served from them."""
+    rows = chat_rows(2)
+    first = engine(demo, make_prefix_cache(FP, 1 << 30, tmp_path, block_size=32,
+                                           layout=block_layout(demo.model)))
+    expected = run_chat(first, rows)
+    first.prefix_cache.disk.close()
+    e = engine(demo, make_prefix_cache(FP, 1 << 30, tmp_path, block_size=32,
+                                       layout=block_layout(demo.model)))
+    prompt = e.prompts.encode_chat(rows[0])
+    started = []
+    real_run = e.run
+
+    def run_reading_ahead():  # the feeder's thread builds the first row meanwhile
+        e.read_ahead(prompt)
+        started.append(len(e.prefix_cache.disk._ahead) if e.prefix_cache else None)
+        return real_run()
+
+    monkeypatch.setattr(e, "run", run_reading_ahead)
+    e.warm_up(cpu_too=True)
+    assert started and started[0] is None  # the cache is set aside while the warm-up runs
+    assert len(e.prefix_cache.disk._ahead) >= 2  # yet the first row's blocks are being read
+    monkeypatch.setattr(e, "run", real_run)
+    assert [o.text for o in run_chat(e, rows)] == [o.text for o in expected]
+    assert e.prefix_cache.stats.disk_loaded_blocks >= 2
+
+
 def write_rows(path: Path, n: int) -> Path:
     path.write_text("".join(orjson.dumps({"custom_id": f"r{i}", "messages": m,
                                           "max_tokens": 6}).decode() + "\n"

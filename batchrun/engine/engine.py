@@ -32,7 +32,7 @@ from batchrun.engine.choices import answer_choice
 from batchrun.engine.constrain import ConstraintError, Grammars, choice_token_ids
 from batchrun.engine.memory import MemoryBudget, kv_budget, measure_kv
 from batchrun.engine.postprocess import Step, StopScanner, make_output, record_logprobs
-from batchrun.engine.prefix_plan import PrefixNeeded
+from batchrun.engine.prefix_plan import PrefixNeeded, PrefixPlanner
 from batchrun.engine.reasoning import Markup, ThinkingBudget, ThinkingGate
 from batchrun.engine.request import (
     EngineConfig,
@@ -86,6 +86,7 @@ class Engine(Requests, CacheControl):
         self.scheduler = Scheduler(self.memory, self.config.max_concurrency or cap,
                                    self.config.prefill_batch_size)
         self.prefix_cache = prefix_cache
+        self._warm_up_planner: PrefixPlanner | None = None  # the cache's, set aside meanwhile
         self._grammars: Grammars | None = None
         self._markup: Markup | None = None
         self._ids = itertools.count()
@@ -187,20 +188,23 @@ class Engine(Requests, CacheControl):
         if (mx.default_device() == mx.cpu and not cpu_too) or self.has_work():
             return
         planner, self.scheduler.planner = self.scheduler.planner, None
+        self._warm_up_planner = planner  # read_ahead still reaches the cache meanwhile
         try:
             for start, length in WARM_UP_PROMPTS:
                 self.add_tokens([i % self.backend.vocab_size for i in range(start, start + length)],
                                 SamplingParams(max_tokens=3))
             self.run()
         finally:
-            self.scheduler.planner = planner
+            self.scheduler.planner, self._warm_up_planner = planner, None
         self._start_figures()
 
     def read_ahead(self, prompt: list[int]) -> None:
         """Start reading from disk the cached prefix blocks of a text prompt about to be added
-        (from any thread: a job's feeder does while the engine warms up)."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.read_ahead(prompt)
+        (from any thread: a job's feeder does while the engine warms up, whose rows the
+        prefix cache does not see)."""
+        planner = self.scheduler.planner or self._warm_up_planner
+        if planner is not None:
+            planner.cache.read_ahead(prompt)
 
     def add_tokens(self, prompt: list[int], params: SamplingParams, inputs: Any = None) -> int:
         """Queue a request from token ids (and what the backend needs besides); its id."""
