@@ -125,6 +125,33 @@ def test_attention_over_a_rolled_back_cache_sees_each_rows_kept_tokens_alone():
 
 # -- same tokens as plain decoding --------------------------------------------------------------
 
+def test_the_draft_evaluates_whatever_work_it_says_it_did(monkeypatch):
+    """sync's one-time work (prefilling rows, catching up on plain steps' tokens) is evaluated
+    inside it, so the caller's clock charges it apart from the speculating step."""
+    draft = speculate.DraftModel(load_model(str(DEMO_DRAFT_MODEL)).model)
+    evaluated = []
+    real_eval = mx.eval
+
+    def spy(*args):
+        evaluated.append(args)
+        return real_eval(*args)
+
+    monkeypatch.setattr(mx, "eval", spy)
+    contexts = [[5, 6, 7, 8], [9, 10, 11]]
+    for uids, grown in [([1, 2], 0), ([1, 2], 3), ([2], 2), ([2, 3], 1)]:
+        contexts = [c + list(range(20, 20 + grown)) for c in contexts]
+        if uids == [2]:
+            contexts = contexts[1:]
+        elif len(uids) > len(contexts):
+            contexts = contexts + [[4, 4, 4]]
+        evaluated.clear()
+        assert draft.sync(uids, contexts) is True
+        assert evaluated, uids  # evaluated before returning
+        assert draft.seen == [len(c) for c in contexts]
+    evaluated.clear()
+    assert draft.sync([2, 3], contexts) is False and not evaluated  # nothing to do
+
+
 @pytest.mark.parametrize("concurrency", [1, 8])
 def test_draft_model_speculation_gives_the_same_greedy_tokens(pair, concurrency):
     prompts = chats()
@@ -314,6 +341,36 @@ def test_a_probe_replaces_what_its_kind_measured_long_ago(monkeypatch):
     assert all(cheap[probe:])  # speculating from the probe on
 
 
+def test_a_step_sharing_its_time_with_a_prefill_is_not_measured(monkeypatch):
+    """Rows admitted between two steps (their caches built, their prompts prefilled) take time
+    the step before did not: that step is not measured, so a speculating batch that keeps
+    taking rows goes on speculating where it is cheaper, and the backend says so."""
+    clock = [0.0]
+    monkeypatch.setattr(speculate.time, "perf_counter", lambda: clock[0])
+    spec = Speculator("ngram", k=4, verify_tokens=40)
+    cache = [BatchKVCache([0, 0])]
+    choices = []
+    for i in range(3 * speculate.PROBE_EVERY):
+        speculating = spec.wants(2, cache)
+        choices.append(speculating)
+        clock[0] += 4 * (0.5 if speculating else 1.0)
+        spec.step(speculating, 2, 4)
+        if i % 3 == 2:  # a prefill: 100 s that belong to no step
+            clock[0] += 100.0
+            spec.discard()
+    settled = choices[6:]
+    assert settled.count(False) <= len(settled) // speculate.PROBE_EVERY + 1  # probes only
+
+
+def test_the_text_backend_keeps_admissions_out_of_the_steps_measure(pair, monkeypatch):
+    discarded = []
+    monkeypatch.setattr(Speculator, "discard", lambda self: discarded.append(1))
+    outs, engine = generate(pair, chats(), SamplingParams(max_tokens=8), "ngram", concurrency=2,
+                            adaptive=True)
+    assert all(o.token_ids for o in outs)
+    assert len(discarded) >= len(QUESTIONS) // 2  # an insert of two rows at least each time
+
+
 def test_tries_of_speculation_that_lose_come_less_and_less_often(monkeypatch):
     """A draft that guesses badly all job long: each losing try waits twice as long as the one
     before, up to PROBE_EVERY_MOST steps; once a try wins, tries come every PROBE_EVERY again."""
@@ -344,6 +401,8 @@ def test_tries_of_speculation_that_lose_come_less_and_less_often(monkeypatch):
     won = after.index(True)
     assert won <= speculate.PROBE_EVERY_MOST + 1
     rest = after[won:]
+    assert False in rest and rest.index(False) in (  # the win brought tries back to the start
+        speculate.PROBE_EVERY, speculate.PROBE_EVERY + 1)
     assert all(a or b for a, b in zip(rest, rest[1:], strict=False))  # a plain step: a try
     assert rest.count(False) <= 3
 

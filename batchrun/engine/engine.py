@@ -187,8 +187,9 @@ class Engine(Requests, CacheControl):
 
         if (mx.default_device() == mx.cpu and not cpu_too) or self.has_work():
             return
-        planner, self.scheduler.planner = self.scheduler.planner, None
-        self._warm_up_planner = planner  # read_ahead still reaches the cache meanwhile
+        # read_ahead still reaches the cache meanwhile: set aside before it leaves the scheduler
+        planner = self._warm_up_planner = self.scheduler.planner
+        self.scheduler.planner = None
         try:
             for start, length in WARM_UP_PROMPTS:
                 self.add_tokens([i % self.backend.vocab_size for i in range(start, start + length)],

@@ -145,7 +145,10 @@ class DraftModel:
         (rows prefilled, or fed the tokens of steps that did not speculate: a one-time cost,
         not the speculating step's; evaluated here, so the caller can time it apart)."""
         if uids == self.uids:
-            return self._catch_up(contexts)
+            worked = self._catch_up(contexts)
+            if worked:
+                mx.eval([c.state for c in self.caches])
+            return worked
         now = set(uids)
         keep = [i for i, u in enumerate(self.uids) if u in now]
         if len(keep) < len(self.uids):
@@ -299,6 +302,12 @@ class Speculator:
         `one_time_s` of its time spent on work that is not the step's own (bringing the draft's
         cache up to the batch after steps that did not speculate, or prefilling new rows)."""
         self._step = (self._started, speculated, rows, tokens, one_time_s, self._probing)
+
+    def discard(self) -> None:
+        """The step before shares its time with other work (rows admitted, prompts prefilled
+        before the next step starts): not a measure of its kind. A probe that measured nothing
+        neither wins nor backs off."""
+        self._step = None
 
     def _close_step(self, now: float) -> None:
         if self._step is None:

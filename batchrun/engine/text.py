@@ -127,6 +127,8 @@ class TextBackend:
     def insert(self, seqs: list[Sequence], blocks: list[list[Block]],
                upcoming: Iterable[Sequence] = ()) -> list[int]:
         # First: a shared tail may serve more of a row's prompt (seq.cached).
+        if self._speculator is not None:  # building these rows' caches is not a step's time
+            self._speculator.discard()
         caches = self._row_caches(seqs, blocks, upcoming)
         uids = self._gen.insert(
             [s.prompt[s.cached:] for s in seqs],
@@ -277,6 +279,8 @@ class TextBackend:
 
     def next(self) -> tuple[bool, list[Step]]:
         prompt_work, responses = self._gen.next()
+        if prompt_work and self._speculator is not None:  # a prefill after the step: not its
+            self._speculator.discard()
         return bool(prompt_work), [Step(r.uid, r.token, r.finish_reason, r.logprobs)
                                    for r in responses]
 
