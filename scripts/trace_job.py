@@ -9,7 +9,8 @@ in seconds since the process started.
     python scripts/trace_job.py run ROWS.jsonl --model PATH --job-dir DIR [--cache-dir DIR] ...
 
 Also when the feeder's threads finished building the first and the last row. With
-TRACE_NO_WARM_UP=1 the engine's warm-up is skipped (to measure what it costs or saves).
+TRACE_NO_WARM_UP=1 the engine's warm-up is skipped (to measure what it costs or saves); with
+TRACE_PROFILE=PATH the job loop runs under cProfile and its statistics go to PATH.
 """
 
 import time
@@ -34,6 +35,7 @@ if "--model" in sys.argv:  # as the command line does, before this script import
 from batchrun.cache import disk  # noqa: E402
 from batchrun.cli import main  # noqa: E402
 from batchrun.engine import (  # noqa: E402
+    batch,
     decode_attention,
     engine,
     nvrtc,
@@ -128,6 +130,25 @@ traced(generate.GenerationBatch, "filter", lambda a, r: f"{len(a[1])} rows kept"
 traced(generate.PromptProcessingBatch, "split", lambda a, r: f"{len(a[1])} rows")
 traced(generate.PromptProcessingBatch, "extend")
 traced(generate.BatchGenerator, "_make_batch", lambda a, r: f"{a[1]} rows")
+# A wave's first decode step: mlx-lm's own (a new GenerationBatch runs one on creation), then
+# batchrun's.
+traced(generate.GenerationBatch, "__init__", lambda a, r: f"{len(a[0].uids)} rows")
+traced(batch.LeanGenerationBatch, "_step", lambda a, r: f"{len(a[0].uids)} rows")
+traced(batch.LeanGenerationBatch, "extend", lambda a, r: f"{len(a[1].uids)} rows joining")
+
+
+def profiled(real, path: str):
+    """The job loop under cProfile, its statistics written to `path` (pstats)."""
+    @functools.wraps(real)
+    def wrapper(*args, **kwargs):
+        import cProfile
+
+        profile = cProfile.Profile()
+        try:
+            return profile.runcall(real, *args, **kwargs)
+        finally:
+            profile.dump_stats(path)
+    return wrapper
 
 BUILT: list[float] = []
 
@@ -149,6 +170,8 @@ def report_built() -> None:
 
 runner.JobRunner._build_task = build_timed(runner.JobRunner._build_task)
 atexit.register(report_built)
+if os.environ.get("TRACE_PROFILE"):
+    runner.JobRunner._run = profiled(runner.JobRunner._run, os.environ["TRACE_PROFILE"])
 if os.environ.get("TRACE_NO_WARM_UP") == "1":
     engine.Engine.warm_up = lambda self, cpu_too=False: None
 
