@@ -9,6 +9,7 @@ stopped by SIGTERM (progress kept). With `-o -`, stdout carries result lines onl
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -354,7 +355,8 @@ def _run(ctx: click.Context, input_path: Path, opts: dict, spooled: list[Path],
     runner, engine = job.runner, job.engine
     resume = resume_command(sys.argv[2:], spec.input if from_stdin else None)
     try:
-        report = runner.run()
+        with _long_lived_frozen():
+            report = runner.run()
     except Interrupted as e:
         click.echo(rp.summary_text(runner.report), err=True)
         how = "interrupted" if e.signum == signal.SIGINT else f"stopped by {e}"
@@ -389,6 +391,19 @@ def _run(ctx: click.Context, input_path: Path, opts: dict, spooled: list[Path],
                        + (f", {cache_stats['disk_skipped']:,} damaged entries removed"
                           if cache_stats["disk_skipped"] else "") + ")", err=True)
     return (ROWS_FAILED if fail_on_row_errors and report["rows_failed"] else 0), spec
+
+
+@contextlib.contextmanager
+def _long_lived_frozen() -> Iterator[None]:
+    """What the command made before the job (the modules, the model, its tokenizer) lives as
+    long as the job: Python's cycle collector leaves it out of its passes meanwhile. A pass
+    over it all took 25-50 ms on a 2-core CPU and fell inside a job's steps; the job's own
+    garbage is still collected."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _check_stdin(opts: dict, dry_run: bool) -> None:

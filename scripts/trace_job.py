@@ -20,6 +20,7 @@ PROCESS_START = time.perf_counter()
 # isort: split
 import atexit  # noqa: E402
 import functools  # noqa: E402
+import gc  # noqa: E402
 import importlib  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
@@ -47,6 +48,7 @@ from batchrun.job import feeder, runner  # noqa: E402
 
 generate = importlib.import_module("mlx_lm.generate")
 T0 = [time.perf_counter()]
+IN_LOOP = [False]
 
 
 def process_mark(what: str) -> None:
@@ -89,7 +91,11 @@ def loop_started(real):
     @functools.wraps(real)
     def wrapper(*args, **kwargs):
         T0[0] = time.perf_counter()
-        return real(*args, **kwargs)
+        IN_LOOP[0] = True
+        try:
+            return real(*args, **kwargs)
+        finally:
+            IN_LOOP[0] = False
     return wrapper
 
 
@@ -168,6 +174,26 @@ def report_built() -> None:
               f"last at {max(BUILT):.3f}s", file=sys.stderr, flush=True)
 
 
+GC: dict[int, list[float]] = {}  # generation -> the job loop's collections' seconds
+_gc_start = [0.0]
+
+
+def gc_timed(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc_start[0] = time.perf_counter()
+    elif IN_LOOP[0]:
+        GC.setdefault(info["generation"], []).append(time.perf_counter() - _gc_start[0])
+
+
+def report_gc() -> None:
+    for generation, times in sorted(GC.items()):
+        print(f"garbage collections of generation {generation}: {len(times)}, "
+              f"{sum(times):.3f}s in all, the longest {max(times):.3f}s", file=sys.stderr,
+              flush=True)
+
+
+gc.callbacks.append(gc_timed)
+atexit.register(report_gc)
 runner.JobRunner._build_task = build_timed(runner.JobRunner._build_task)
 atexit.register(report_built)
 if os.environ.get("TRACE_PROFILE"):

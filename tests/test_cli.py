@@ -39,6 +39,32 @@ def test_sample_prompts_give_one_ordered_result_per_row(tmp_path):
     assert f"{len(rows)} done, 0 failed" in result.output
 
 
+def test_the_job_runs_with_what_came_before_it_left_out_of_garbage_collection(tmp_path,
+                                                                              monkeypatch):
+    """The modules, model and tokenizer loaded before the job are frozen for the cycle
+    collector while the job runs (its full passes went through all of them), and thawed after:
+    the job's own cyclic garbage is still collected."""
+    import gc
+
+    from batchrun.job.runner import JobRunner
+
+    seen = {}
+    real = JobRunner._run
+
+    def spy(self, progress):
+        seen["frozen"] = gc.get_freeze_count()
+        garbage = []
+        garbage.append(garbage)  # a cycle made during the job
+        del garbage
+        seen["collected"] = gc.collect()
+        return real(self, progress)
+
+    monkeypatch.setattr(JobRunner, "_run", spy)
+    run(SAMPLE, "--job-dir", tmp_path / "job")
+    assert seen["frozen"] > 10_000 and seen["collected"] >= 1
+    assert gc.get_freeze_count() == 0
+
+
 def test_results_do_not_depend_on_concurrency(tmp_path):
     run(SAMPLE, "--job-dir", tmp_path / "a", "--max-concurrency", "1")
     run(SAMPLE, "--job-dir", tmp_path / "b", "--max-concurrency", "32")
