@@ -138,6 +138,27 @@ def test_identical_rows_are_computed_once_but_each_gets_its_result(tmp_path):
     assert "5 reused" in result.output
 
 
+def test_requests_are_identical_only_when_every_sampling_field_is():
+    import dataclasses
+
+    from batchrun.engine.request import SamplingParams
+    from batchrun.job.runner import _payload_key
+
+    base = SamplingParams(max_tokens=8)
+    assert _payload_key(b"p", base) == _payload_key(b"p", SamplingParams(max_tokens=8))
+    assert _payload_key(b"p", base) != _payload_key(b"q", base)
+    changed = {"max_tokens": 9, "temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1,
+               "seed": 3, "stop": ("x",), "stop_token_ids": (7,), "logprobs": True,
+               "top_logprobs": 2, "presence_penalty": 0.5, "frequency_penalty": 0.5,
+               "repetition_penalty": 1.1, "logit_bias": ((5, 1.0),), "min_tokens": 2,
+               "max_thinking_tokens": 4, "thinking": False}
+    for field in dataclasses.fields(SamplingParams):
+        assert field.repr, field.name  # the key is the repr: every field in it
+        if field.name in changed:
+            other = dataclasses.replace(base, **{field.name: changed[field.name]})
+            assert _payload_key(b"p", other) != _payload_key(b"p", base), field.name
+
+
 def test_parquet_round_trip_keeps_columns_and_types(tmp_path):
     out = tmp_path / "labels.parquet"
     run(SAMPLE / "reviews.parquet", "--job-dir", tmp_path / "job", "-o", out,

@@ -232,6 +232,41 @@ def test_a_job_reads_its_first_rows_blocks_ahead_once(tmp_path, monkeypatch):
     assert report["cached_prompt_tokens"] >= 0.8 * report["prompt_tokens"]
 
 
+def test_a_jobs_block_keys_are_computed_by_the_feeder_not_the_job_loop(tmp_path, monkeypatch):
+    """Each text row's prefix cache keys come with it from the feeder's threads (the job loop
+    only matches them), and they are the keys the loop would have computed: the same blocks
+    reused, the same results."""
+    import threading
+
+    from batchrun.engine.prefix_plan import PrefixPlanner
+
+    rows = write_rows(tmp_path / "rows.jsonl", 6)
+    cache = tmp_path / "cache"
+    cli_run(rows, "--job-dir", tmp_path / "a", "--cache-dir", cache)
+    threads, registered = [], []
+    real_keys, real_register = PrefixCache.keys_for, PrefixPlanner.register
+
+    def keys_for(self, tokens, media=()):
+        threads.append(threading.current_thread())
+        return real_keys(self, tokens, media)
+
+    def register(self, seq):
+        registered.append(list(seq.block_keys))
+        real_register(self, seq)
+        assert seq.block_keys == real_keys(self.cache, seq.prompt)
+
+    monkeypatch.setattr(PrefixCache, "keys_for", keys_for)
+    monkeypatch.setattr(PrefixPlanner, "register", register)
+    cli_run(rows, "--job-dir", tmp_path / "b", "--cache-dir", cache)
+    assert len(registered) == 6 and all(registered)  # every row came with its keys
+    assert threading.main_thread() not in threads
+    a, b = ([orjson.loads(x)["text"] for x in (tmp_path / j / "results.jsonl").read_bytes()
+             .splitlines()] for j in "ab")
+    assert a == b
+    report = orjson.loads((tmp_path / "b" / "report.json").read_bytes())
+    assert report["cached_prompt_tokens"] >= 0.8 * report["prompt_tokens"]
+
+
 def test_blocks_asked_for_during_the_warm_up_are_read_then(demo, tmp_path, monkeypatch):
     """The warm-up sets the prefix cache aside (its rows must not reach it), yet the job's
     feeder asks for the first row's blocks exactly then: the reads start at once, and the row
