@@ -1,8 +1,9 @@
 # Shell helpers the H200 session scripts share (source it; $W is the work folder, with $W/keep
 # for what comes back).
 label() {  # name rows cache [env...]: one traced labeling job of 8 new tokens on /tmp/l1b
+    # (with $TRACE another copy of trace_job.py: scripts/trace_job.py of another tree)
     local name=$1 rows=$2 cache=$3; shift 3
-    env "$@" python3 scripts/trace_job.py run $W/$rows.jsonl --quiet --max-tokens 8 \
+    env "$@" python3 ${TRACE:-scripts/trace_job.py} run $W/$rows.jsonl --quiet --max-tokens 8 \
         --model /tmp/l1b --job-dir $W/label-$name --cache-dir $W/$cache \
         2> $W/keep/label-trace-$name.txt
     cp $W/label-$name/report.json $W/keep/label-report-$name.json
