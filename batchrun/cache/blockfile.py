@@ -86,14 +86,13 @@ class Verified:
 
 
 def arrays_of(block: Verified) -> tuple[dict[str, mx.array], dict[str, str]]:
-    """The arrays of a verified block file (their bytes copied; the typed views not evaluated
-    yet: the caller evaluates many blocks' at once, one wait for the device), and its
-    metadata."""
+    """The arrays of a verified block file, and its metadata."""
     arrays = {}
     for name, entry in block.table.items():
         start, end = entry["data_offsets"]
         raw = mx.array(np.frombuffer(block.body[start:end], dtype=np.uint8))
         arrays[name] = mx.view(raw, DTYPES[entry["dtype"]]).reshape(entry["shape"])
+    mx.eval(arrays)
     return arrays, block.meta
 
 

@@ -38,7 +38,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-import mlx.core as mx
 import orjson
 
 from batchrun.cache import blockfile
@@ -179,7 +178,6 @@ class DiskCache:
             checked = [ahead[k].result() if k in ahead else self._read(k) for k in listed]
         for key, verified in zip(listed, checked, strict=True):
             found[key] = self._block(key, verified)
-        mx.eval([(b.keys, b.values) for b in found.values() if b is not None])
         return found
 
     def _read(self, key: bytes) -> blockfile.Verified | Exception | None:
