@@ -32,7 +32,7 @@ from batchrun.engine.choices import answer_choice
 from batchrun.engine.constrain import ConstraintError, Grammars, choice_token_ids
 from batchrun.engine.memory import MemoryBudget, kv_budget, measure_kv
 from batchrun.engine.postprocess import Step, StopScanner, make_output, record_logprobs
-from batchrun.engine.prefix_plan import PrefixKeys, PrefixNeeded, PrefixPlanner
+from batchrun.engine.prefix_plan import PrefixNeeded, PrefixPlanner
 from batchrun.engine.reasoning import Markup, ThinkingBudget, ThinkingGate
 from batchrun.engine.request import (
     EngineConfig,
@@ -207,25 +207,10 @@ class Engine(Requests, CacheControl):
         if planner is not None:
             planner.cache.read_ahead(prompt)
 
-    def prefix_keys(self, prompt: list[int]) -> PrefixKeys | None:
-        """The prefix cache's block keys of a text prompt (from any thread: a job's feeder
-        computes them beside the rows it builds, not the job loop), for add_tokens; None
-        without a prefix cache."""
-        planner = self.scheduler.planner or self._warm_up_planner
-        if planner is None:
-            return None
-        return PrefixKeys(planner.cache, planner.cache.keys_for(prompt))
-
-    def add_tokens(self, prompt: list[int], params: SamplingParams, inputs: Any = None,
-                   keys: PrefixKeys | None = None) -> int:
-        """Queue a request from token ids (and what the backend needs besides); its id.
-        `keys`: the prompt's prefix_keys, if computed already."""
+    def add_tokens(self, prompt: list[int], params: SamplingParams, inputs: Any = None) -> int:
+        """Queue a request from token ids (and what the backend needs besides); its id."""
         seq = Sequence(next(self._ids), list(prompt), params, params.max_tokens, inputs,
                        media=inputs.media if inputs is not None else ())
-        planner = self.scheduler.planner
-        if keys is not None and planner is not None and keys.cache is planner.cache \
-                and inputs is None:
-            seq.block_keys = keys.keys
         seq.thinking_opened = params.thinking is not False and \
             self.markup.opens_thinking(seq.prompt)
         constraint = params.constraint

@@ -16,14 +16,6 @@ from batchrun.cache.prefix import Block, PrefixCache
 from batchrun.engine.sequence import Sequence
 
 
-@dataclass(slots=True, frozen=True)
-class PrefixKeys:
-    """A prompt's block keys, and the cache they were computed for."""
-
-    cache: PrefixCache
-    keys: list[bytes]
-
-
 @dataclass(slots=True)
 class PrefixNeeded:
     """Compute `seq.prompt[:upto]` into the cache (from `blocks`, the part already there)."""
@@ -39,10 +31,8 @@ class PrefixPlanner:
         self._key_counts: Counter[bytes] = Counter()  # block keys of queued + running rows
 
     def register(self, seq: Sequence) -> None:
-        """A new row: note which blocks it will need (their keys computed here unless the
-        row came with them: Engine.prefix_keys)."""
-        if not seq.block_keys:
-            seq.block_keys = self.cache.keys_for(seq.prompt, seq.media)
+        """A new row: note which blocks it will need."""
+        seq.block_keys = self.cache.keys_for(seq.prompt, seq.media)
         self._key_counts.update(seq.block_keys)
 
     def plan(self, seq: Sequence, compute: bool = True) -> list[Block] | PrefixNeeded:

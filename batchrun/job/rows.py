@@ -90,7 +90,6 @@ class Task:
     # A digest of the prompt's tokens and images (JobRunner._build_task, in a feeder thread):
     # identical requests are found by it without hashing the whole prompt in the job loop.
     prompt_digest: bytes = b""
-    prefix_keys: Any = None  # engine.prefix_plan.PrefixKeys of a text row, from a feeder thread
     expected: str | None = None  # the row's --expected-column value
 
     def sample_params(self) -> list[SamplingParams]:

@@ -255,8 +255,6 @@ class RowWork:
         if isinstance(task, Task):
             task.prompt_digest = _prompt_digest(
                 task.prompt_ids, task.vision.digests if task.vision is not None else ())
-            if task.vision is None:  # its prefix cache keys, off the job loop
-                task.prefix_keys = self.engine.prefix_keys(task.prompt_ids)
             if task.vision is None and not self._read_ahead.is_set():
                 # The job's first row (a labeling job's shared instruction): its cached blocks
                 # are read from disk while the engine warms up, not after.
@@ -285,8 +283,7 @@ class RowWork:
             self.deduplicated += 1
             self._pending[self._inflight[key]].append((task, sample))
         else:
-            request_id = self.engine.add_tokens(task.prompt_ids, params, task.vision,
-                                                task.prefix_keys)
+            request_id = self.engine.add_tokens(task.prompt_ids, params, task.vision)
             self._pending[request_id] = [(task, sample)]
             self._inflight[key] = request_id
             self._request_key[request_id] = key
