@@ -1,4 +1,5 @@
 #!/bin/bash
+# (BATCHRUN_STAND_IN_WARM_UP: commit d804047, backed out in the next commit but one.)
 # Session 14's fifth H200 call (set-up line: shared/gpu/README.md; /tmp/l1b built first): warm
 # 512-row labeling jobs with the stand-in warm-up beside the model's loading (the default)
 # against BATCHRUN_STAND_IN_WARM_UP=0, four interleaved pairs, traced; the probe's figures

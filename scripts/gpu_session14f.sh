@@ -1,4 +1,5 @@
 #!/bin/bash
+# (BATCHRUN_STAND_IN_WARM_UP: commit d804047, backed out in the next commit but one.)
 # Session 14's sixth H200 call (set-up line: shared/gpu/README.md; /tmp/l1b built first): the
 # feeder's build threads (8 on this 16-core host, against 2) with the stand-in warm-up on and
 # off, warm 512-row labeling jobs, two interleaved rounds. Results: $OUT/keep.tgz and the
