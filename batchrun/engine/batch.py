@@ -160,9 +160,12 @@ class LeanGenerationBatch(GenerationBatch):
             return []
         spec = self.speculator
         rows = len(self.uids)
+        # The rows' checks only where the batch is narrow enough: a full batch's step pays
+        # nothing per row for speculation.
         speculating = spec is not None and spec.wants(
             rows, self.prompt_cache,
-            allowed=all(map(_by_position, self.logits_processors)) and any(self._room(1)))
+            allowed=rows <= spec.max_rows and all(map(_by_position, self.logits_processors))
+            and any(self._room(1)))
         one_time_s = 0.0
         if speculating:
             emitted, logprobs, one_time_s = self._speculative_step(spec)
@@ -170,7 +173,8 @@ class LeanGenerationBatch(GenerationBatch):
             tokens, logprobs = self._step()
             emitted = [[t] for t in tokens]
         if spec is not None:
-            spec.step(speculating, rows, sum(map(len, emitted)), one_time_s)
+            spec.step(speculating, rows, sum(map(len, emitted)) if speculating else rows,
+                      one_time_s)
         keep, responses = [], []
         wanted = self.logprob_uids
         for i, (uid, tokens) in enumerate(zip(self.uids, emitted, strict=True)):
