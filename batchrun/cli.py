@@ -398,7 +398,10 @@ def _long_lived_frozen() -> Iterator[None]:
     """What the command made before the job (the modules, the model, its tokenizer) lives as
     long as the job: Python's cycle collector leaves it out of its passes meanwhile. A pass
     over it all took 25-50 ms on a 2-core CPU and fell inside a job's steps; the job's own
-    garbage is still collected."""
+    garbage is still collected. A process that froze objects itself keeps them as it had them."""
+    if gc.get_freeze_count():
+        yield
+        return
     gc.freeze()
     try:
         yield

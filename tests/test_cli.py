@@ -63,6 +63,14 @@ def test_the_job_runs_with_what_came_before_it_left_out_of_garbage_collection(tm
     run(SAMPLE, "--job-dir", tmp_path / "job")
     assert seen["frozen"] > 10_000 and seen["collected"] >= 1
     assert gc.get_freeze_count() == 0
+    # a process that froze its own objects keeps them frozen after the command
+    mine = [object() for _ in range(10)]
+    gc.freeze()
+    try:
+        run(SAMPLE, "--job-dir", tmp_path / "job2")
+        assert gc.get_freeze_count() > 0 and mine  # not thawed by the command
+    finally:
+        gc.unfreeze()
 
 
 def test_results_do_not_depend_on_concurrency(tmp_path):
