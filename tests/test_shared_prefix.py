@@ -338,3 +338,18 @@ def test_the_tail_is_what_most_rows_share_and_pays_for_its_copy():
     assert best_tail(rows, 16, 200) == preamble[:16]  # at most a block
     assert best_tail(rows, 64, 24 * 19 + 1) == []  # saves less than the prefix's copy
     assert best_tail([preamble + [1]], 64, 0) == []  # one row alone shares with nobody
+
+
+def test_the_attention_shape_is_the_models_even_with_a_scale_of_its_own(demo):
+    """The kernels compiled ahead are for the model's own head size: read from the attention
+    module, not inferred from its scale (which some models set otherwise)."""
+    attention = demo.model.layers[0].self_attn
+    dtype, head_dim, group = shared_prefix.attention_shape(demo.model)
+    assert (dtype, head_dim, group) == (mx.float32, attention.head_dim,
+                                        attention.n_heads // attention.n_kv_heads)
+    real = attention.scale
+    try:
+        attention.scale = real * 0.5  # a model scaling its scores its own way
+        assert shared_prefix.attention_shape(demo.model)[1] == attention.head_dim
+    finally:
+        attention.scale = real

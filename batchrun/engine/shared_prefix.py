@@ -196,8 +196,9 @@ class SharedPrefixBatchCache(BatchKVCache):
 
 def attention_shape(model: Any) -> tuple[mx.Dtype, int, int] | None:
     """(activation dtype, head dimension, query heads a KV head) of the model's attention, as
-    its first layer declares them (mlx-lm's attention modules keep n_heads, n_kv_heads and
-    scale = head_dim ** -0.5); None where it does not."""
+    its first layer declares them (mlx-lm's attention modules keep n_heads, n_kv_heads, a
+    scale, and most of them head_dim; without it the scale is taken as head_dim ** -0.5);
+    None where it does not."""
     from mlx.utils import tree_flatten
 
     layers = getattr(model, "layers", None) or getattr(getattr(model, "model", None),
@@ -210,7 +211,10 @@ def attention_shape(model: Any) -> tuple[mx.Dtype, int, int] | None:
         return None
     dtype = next((a.dtype for _, a in tree_flatten(model.parameters())
                   if a.dtype in (mx.bfloat16, mx.float16, mx.float32)), None)
-    return None if dtype is None else (dtype, round(scale ** -2), heads // kv_heads)
+    head_dim = getattr(attention, "head_dim", None)
+    if not (isinstance(head_dim, int) and head_dim > 0):  # a custom scale would mislead
+        head_dim = round(scale ** -2)
+    return None if dtype is None else (dtype, head_dim, heads // kv_heads)
 
 
 def _length(prefix: SharedPrefix | None) -> int:
