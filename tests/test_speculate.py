@@ -407,6 +407,30 @@ def test_tries_of_speculation_that_lose_come_less_and_less_often(monkeypatch):
     assert rest.count(False) <= 3
 
 
+def test_tries_that_lose_at_one_width_do_not_slow_tries_at_another(monkeypatch):
+    """Two rows where the draft loses until tries come every PROBE_EVERY_MOST steps; then
+    six rows (another width) where it also loses: their tries start again every PROBE_EVERY."""
+    clock = [0.0]
+    monkeypatch.setattr(speculate.time, "perf_counter", lambda: clock[0])
+    spec = Speculator("ngram", k=4, verify_tokens=40)  # up to 8 rows
+
+    def run(rows, steps):
+        cache = [BatchKVCache([0] * rows)]
+        choices = []
+        for _ in range(steps):
+            speculating = spec.wants(rows, cache)
+            choices.append(speculating)
+            clock[0] += 4 * (3.0 if speculating else 1.0)
+            spec.step(speculating, rows, 4)
+        return [i for i, c in enumerate(choices) if c]
+
+    narrow = run(2, 1200)
+    assert narrow[-1] - narrow[-2] in (speculate.PROBE_EVERY_MOST, speculate.PROBE_EVERY_MOST + 1)
+    wider = run(6, 3 * speculate.PROBE_EVERY + 4)
+    gaps = [b - a for a, b in zip(wider, wider[1:], strict=False)]
+    assert gaps and gaps[0] <= speculate.PROBE_EVERY + 2  # not 256 steps: its own interval
+
+
 # -- settings and errors ------------------------------------------------------------------------
 
 def test_the_guesses_a_step_default_alike_everywhere():

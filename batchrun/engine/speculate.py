@@ -253,7 +253,7 @@ class Speculator:
         self._started = 0.0
         self._probing = False
         self._since_probe = 0
-        self._probe_every = PROBE_EVERY
+        self._probe_every: dict[int, int] = {}  # width -> steps between tries (PROBE_EVERY)
         self._refused = False
 
     def wants(self, rows: int, caches: list, allowed: bool = True) -> bool:
@@ -282,7 +282,7 @@ class Speculator:
             return True
         cheaper = plain is None or spec < plain * (1 - MARGIN)
         self._since_probe += 1
-        if self._since_probe >= self._probe_every:
+        if self._since_probe >= self._probe_every.get(width, PROBE_EVERY):
             self._since_probe, self._probing = 0, True
             return not cheaper  # try the kind not running
         return cheaper
@@ -326,8 +326,9 @@ class Speculator:
         spec, plain = self._cost.get((True, width)), self._cost.get((False, width))
         if probe and spec is not None and plain is not None:  # sooner after a try that won
             won = (spec < plain * (1 - MARGIN)) == speculated
-            self._probe_every = PROBE_EVERY if won else \
-                min(2 * self._probe_every, PROBE_EVERY_MOST)
+            # each width its own: tries that lose at one width say nothing of another
+            self._probe_every[width] = PROBE_EVERY if won else \
+                min(2 * self._probe_every.get(width, PROBE_EVERY), PROBE_EVERY_MOST)
 
     def record(self, proposed: int, accepted: int) -> None:
         self.stats.steps += 1
