@@ -309,6 +309,7 @@ def test_a_narrow_batch_speculates_only_while_it_measures_cheaper(monkeypatch, s
     others = sum(c != expect for c in settled)
     assert 1 <= others <= len(settled) // speculate.PROBE_EVERY + 1  # probes only
     assert not spec.wants(9, cache)  # wider than 8 rows: never
+    assert not spec.wants(9, cache, allowed=lambda: 1 / 0)  # and its rows are not looked at
     # a narrower batch, not measured yet, starts from what the wider one measured
     assert spec.wants(1, cache) is expect
 

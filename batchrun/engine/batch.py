@@ -160,11 +160,9 @@ class LeanGenerationBatch(GenerationBatch):
             return []
         spec = self.speculator
         rows = len(self.uids)
-        # The rows' checks only where the batch is narrow enough: a full batch's step pays
-        # nothing per row for speculation.
         speculating = spec is not None and spec.wants(
             rows, self.prompt_cache,
-            allowed=rows <= spec.max_rows and all(map(_by_position, self.logits_processors))
+            allowed=lambda: all(map(_by_position, self.logits_processors))
             and any(self._room(1)))
         one_time_s = 0.0
         if speculating:

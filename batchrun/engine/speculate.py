@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -144,11 +145,6 @@ class DraftModel:
         the tokens in the target's cache for row i. Whether the draft computed anything for it
         (rows prefilled, or fed the tokens of steps that did not speculate: a one-time cost,
         not the speculating step's; evaluated here, so the caller can time it apart)."""
-        if uids == self.uids:
-            worked = self._catch_up(contexts)
-            if worked:
-                mx.eval([c.state for c in self.caches])
-            return worked
         now = set(uids)
         keep = [i for i, u in enumerate(self.uids) if u in now]
         if len(keep) < len(self.uids):
@@ -256,15 +252,17 @@ class Speculator:
         self._probe_every: dict[int, int] = {}  # width -> steps between tries (PROBE_EVERY)
         self._refused = False
 
-    def wants(self, rows: int, caches: list, allowed: bool = True) -> bool:
-        """Whether the step starting now speculates: a narrow batch (`allowed`: no row's logits
-        are processed), caches that can be cut back, and speculating measured (or still to be
-        measured) cheaper a token than not. Called at the start of every step: the step before
-        is timed until now."""
+    def wants(self, rows: int, caches: list, allowed: Callable[[], bool] = lambda: True
+              ) -> bool:
+        """Whether the step starting now speculates: a narrow batch (then `allowed()`, asked
+        only of a narrow one: no row's logits are processed in a way a guess cannot follow),
+        caches that can be cut back, and speculating measured (or still to be measured) cheaper
+        a token than not. Called at the start of every step: the step before is timed until
+        now."""
         now = time.perf_counter()
         self._close_step(now)
         self._started, self._probing = now, False
-        if rows > self.max_rows or not allowed:
+        if rows > self.max_rows or not allowed():  # a wide batch's rows are not looked at
             return False
         if not speculates(caches):
             if not self._refused:
