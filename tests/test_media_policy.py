@@ -620,6 +620,50 @@ def test_rows_built_on_several_threads_come_out_once_checked_in_input_order():
         [f"dup {i}" if i % 7 == 3 else str(i) for i in range(60)])
 
 
+def test_rows_go_on_while_a_slow_input_is_still_being_read():
+    """Rows travel between the feeder's threads in chunks; a chunk does not wait for a slow
+    input to fill it."""
+    produced = []
+
+    def rows():
+        for i in range(40):
+            produced.append(i)
+            yield RawRow(i, i + 1, {"prompt": "x"})
+            time.sleep(0.05)
+
+    feeder = Feeder(rows(), lambda raw: raw.index, lookahead=64)
+    try:
+        first = feeder.take(1, block=True, timeout=5.0)
+        assert first == [0] and len(produced) < 10  # taken long before a chunk could fill
+        assert sorted(first + take_all(feeder, 39)) == list(range(40))
+    finally:
+        feeder.close()
+
+
+def test_rows_in_chunks_keep_their_checks_errors_and_order():
+    """Many rows in one chunk: each is checked in input order, each build's failure is its
+    own, and every row comes out once."""
+    def check(raw):
+        return f"dup {raw.index}" if raw.index % 5 == 0 else None
+
+    def build(raw):
+        return RowError(raw.index, raw.line, str(raw.index), "bad", "x") if raw.index % 5 == 1 \
+            else raw.index
+
+    feeder = Feeder(iter([RawRow(i, i + 1, {"prompt": "x"}) for i in range(100)]), build,
+                    lookahead=1000, check=check, workers=3)
+    try:
+        items = take_all(feeder, 100)
+        assert feeder.take(1, block=True) == [] and feeder.exhausted
+    finally:
+        feeder.close()
+    assert sorted(x for x in items if isinstance(x, int)) == [
+        i for i in range(100) if i % 5 not in (0, 1)]
+    assert sorted(x.index for x in items if isinstance(x, RowError)) == [
+        i for i in range(100) if i % 5 == 1]
+    assert sorted(int(x.split()[1]) for x in items if isinstance(x, str)) == list(range(0, 100, 5))
+
+
 # -- End to end: the CLI on the tiny vision model ---------------------------------------------
 
 def user(text: str, url: str) -> list[dict]:

@@ -1,8 +1,11 @@
 """Rows sharing a long templated start are tokenized from the shared start's kept tokens, and
 always get exactly the tokens of their whole text."""
 
+import copy
+from types import SimpleNamespace
+
 from batchrun.engine.prompt import PromptBuilder
-from batchrun.engine.tokens import SharedStarts
+from batchrun.engine.tokens import Encoder, SharedStarts
 
 SYSTEM = "You label reviews. " + " ".join(f"Example {i}: good kettle -> positive."
                                          for i in range(60))
@@ -45,3 +48,58 @@ def test_without_special_tokens_every_text_is_tokenized_whole():
 
     starts = SharedStarts(encode, [])
     assert starts("a" * 400) == [400] and calls == ["a" * 400]
+
+
+# -- The Rust tokenizer's own encode, where it gives transformers' ids ---------------------------
+
+TEXTS = ["", " ", "hello world", "  two  spaces\n\nand lines\t", "<|im_start|>user\nhi<|im_end|>",
+         "naïve café — 東京 🙂", SYSTEM, "a" * 2000]
+
+
+def test_the_direct_encode_gives_transformers_ids(demo):
+    encode = Encoder(demo.tokenizer)
+    assert encode.direct  # the demo's tokenizer is transformers' plain fast tokenizer
+    for _ in range(2):  # past the checked first uses, too
+        for special in (False, True):
+            for text in TEXTS * 2:
+                assert encode(text, add_special_tokens=special) == list(
+                    demo.tokenizer.encode(text, add_special_tokens=special))
+    assert encode.direct
+
+
+def test_a_backend_left_truncating_does_not_cut_direct_encodes(demo):
+    hf = copy.deepcopy(demo.tokenizer.encode.__self__)
+    hf.backend_tokenizer.enable_truncation(max_length=3)  # as another caller may leave it
+    encode = Encoder(hf)
+    assert encode.direct
+    for text in TEXTS * 3:
+        assert encode(text) == list(hf.encode(text, add_special_tokens=False))
+    assert len(encode(SYSTEM)) > 3
+    assert encode.direct
+
+
+def test_a_tokenizer_that_encodes_its_own_way_keeps_its_own_encode(demo):
+    hf = copy.copy(demo.tokenizer.encode.__self__)
+
+    class Newlines(type(hf)):  # as mlx-lm's newline tokenizer rewrites text before encoding
+        def encode(self, text, **kwargs):
+            return super().encode(text.replace("\n", " "), **kwargs)
+
+    hf.__class__ = Newlines
+    encode = Encoder(hf)
+    assert not encode.direct
+    assert encode("a\nb") == hf.encode("a b", add_special_tokens=False)
+
+
+def test_a_direct_encode_that_differs_turns_it_off(demo):
+    encode = Encoder(demo.tokenizer)
+
+    class Wrong:
+        def encode(self, text, add_special_tokens):
+            return SimpleNamespace(ids=[1, 2, 3])
+
+    encode._direct = Wrong()
+    expected = list(demo.tokenizer.encode("hello world", add_special_tokens=False))
+    assert encode("hello world") == expected  # a checked use: transformers' ids
+    assert not encode.direct
+    assert encode("hello world") == expected  # and from then on transformers' encode

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchrun.engine.tokens import SharedStarts
+from batchrun.engine.tokens import Encoder, SharedStarts
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
@@ -22,16 +22,16 @@ class PromptBuilder:
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         self._bos = getattr(tokenizer, "bos_token", None)
+        self._encode = Encoder(tokenizer)
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
         self._chat_tokens = SharedStarts(
-            lambda text: list(tokenizer.encode(text, add_special_tokens=False)),
-            [t.content for t in added.values() if getattr(t, "special", False)])
+            self._encode, [t.content for t in added.values() if getattr(t, "special", False)])
 
     def encode(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str):
             raise PromptError(f"prompt must be a string, got {type(prompt).__name__}")
         add_special = self._bos is None or not prompt.startswith(self._bos)
-        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special))
+        return self._encode(prompt, add_special_tokens=add_special)
 
     def render(
         self,

@@ -19,6 +19,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 MIN_CHARS = 256  # shorter starts are not worth keeping
 KEPT = 16  # distinct starts kept (least recently used dropped)
@@ -78,6 +79,67 @@ class SharedStarts:
             self._kept[start] = [tokens, CHECKS]
             while len(self._kept) > KEPT:
                 self._kept.popitem(last=False)
+
+
+DIRECT_CHECKS = 8  # first uses of the Rust tokenizer's encode checked against transformers'
+
+
+class Encoder:
+    """`tokenizer.encode(text, add_special_tokens=...)` as a list, through the Rust tokenizer's
+    own single-text encode where transformers' would give the same ids.
+
+    transformers encodes one text through the Rust tokenizer's batch call, which lets go of the
+    GIL. On a build thread, while the engine's thread runs Python, each let-go waits out the
+    interpreter's switch interval (5 ms) to get the GIL back: 256 rows took 1.4 s instead of 14
+    ms on this project's CPU. The single-text call keeps the GIL.
+
+    The direct call is taken only for transformers' plain fast tokenizer (a class that encodes its
+    own way, such as mlx-lm's newline tokenizer, keeps transformers' path), and its first uses for
+    each `add_special_tokens` are checked against transformers' result: one mismatch turns it
+    off for good.
+    """
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._direct = _plain_backend(tokenizer)
+        self._checks = {False: DIRECT_CHECKS, True: DIRECT_CHECKS}
+        self._lock = threading.Lock()
+
+    @property
+    def direct(self) -> bool:
+        return self._direct is not None
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        direct = self._direct
+        if direct is None:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        with self._lock:
+            check = self._checks[add_special_tokens] > 0
+            if check:
+                self._checks[add_special_tokens] -= 1
+        if check:  # transformers' call first: it also sets the backend's truncation and padding
+            expected = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+            if direct.encode(text, add_special_tokens=add_special_tokens).ids != expected:
+                self._direct = None
+            return expected
+        return direct.encode(text, add_special_tokens=add_special_tokens).ids
+
+
+def _plain_backend(tokenizer: Any) -> Any:
+    """The `tokenizers.Tokenizer` behind a tokenizer whose `encode` is transformers' own, or
+    None."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: keep its own path
+        return None
+    encode = getattr(tokenizer, "encode", None)
+    owner = getattr(encode, "__self__", None)
+    if (getattr(encode, "__func__", None) is not PreTrainedTokenizerBase.encode
+            or not isinstance(owner, TokenizersBackend)
+            or type(owner)._encode_plus is not TokenizersBackend._encode_plus):
+        return None
+    return getattr(owner, "backend_tokenizer", None)
 
 
 def common_length(prompts: list[list[int]]) -> int:

@@ -1,13 +1,16 @@
 """Read and build rows on background threads, ahead of the engine.
 
 One thread reads rows; one dispatches them: it runs the sequential checks (`check`: duplicate
-ids, which depend on input order) and hands each row to `workers` build threads (chat-template
-rendering, tokenization, the vision processor) while the engine computes (MLX and the
-tokenizer release the GIL), so the engine's loop only takes ready Tasks. A row with images goes
-to a small pool of fetch threads that load them (each image within its media deadline) and
-comes back to be built: a slow image holds up no other row, so rows may come out of input
-order (the sink orders records by index). At most `lookahead` rows
-are inside the feeder at once: memory stays flat however large the input is.
+ids, which depend on input order) and hands the rows to `workers` build threads (chat-template
+rendering, tokenization, the vision processor) while the engine computes (MLX releases the
+GIL), so the engine's loop only takes ready Tasks. Rows travel between these threads in chunks
+of up to CHUNK: each handoff from one thread to another is a GIL switch, and while the engine's
+thread runs Python a switch can wait out the interpreter's switch interval (5 ms).
+
+A row with images goes to a small pool of fetch threads that load them (each image within its
+media deadline) and comes back to be built: a slow image holds up no other row, so rows may
+come out of input order (the sink orders records by index). At most `lookahead` rows are inside
+the feeder at once: memory stays flat however large the input is.
 
 Stopping never waits on a fetch: take() waits at most its `timeout` (the caller's loop goes on
 committing and sees Ctrl-C), and close() abandons fetch threads (daemons) stuck until their
@@ -28,6 +31,8 @@ from batchrun.job.rows import ImagesPending, RowError, Task, defer_images, image
 FETCH_THREADS = 4  # image loads at once
 POLL_S = 0.1  # how often the reader, waiting for room, looks for a stop
 CLOSE_WAIT_S = 1.0  # close() waits at most this long for the reader and the builder
+CHUNK = 32  # rows that travel between the feeder's threads as one message
+CHUNK_WAIT_S = 0.02  # a chunk goes on when its first row has waited this long for the rest
 
 _DONE = object()
 
@@ -42,8 +47,8 @@ class Feeder:
         self._workers = ThreadPoolExecutor(max(1, workers), "batchrun-build",
                                            initializer=defer_images)
         self._room = threading.Semaphore(max(1, lookahead))  # rows inside, until taken
-        # The dispatcher's inbox: ("row", raw), ("images", raw, loaded), ("built", raw, item),
-        # ("end", error), ("stop",)
+        # The dispatcher's inbox: ("rows", [raw]), ("images", raw, loaded),
+        # ("built", [(raw, item)]), ("end", error), ("stop",)
         self._inbox: queue.Queue = queue.Queue()
         self._fetches: queue.Queue = queue.Queue()  # (raw, ImagesPending); None: exit
         self._ready: queue.Queue = queue.Queue()  # built items, then _DONE
@@ -63,15 +68,30 @@ class Feeder:
 
     def _read(self) -> None:
         error = None
+        chunk: list[RawRow] = []
+        started = 0.0
         try:
             rows = iter(self._rows)
-            while self._wait_for_room():
+            while not self._stop.is_set():
+                if not self._room.acquire(blocking=False):
+                    if chunk:  # rows read so far go on while the reader waits for room
+                        self._inbox.put(("rows", chunk))
+                        chunk = []
+                    if not self._wait_for_room():
+                        break
                 raw = next(rows, _DONE)
                 if raw is _DONE:
                     break
-                self._inbox.put(("row", raw))
+                if not chunk:
+                    started = time.monotonic()
+                chunk.append(raw)
+                if len(chunk) >= CHUNK or time.monotonic() - started > CHUNK_WAIT_S:
+                    self._inbox.put(("rows", chunk))
+                    chunk = []
         except BaseException as e:  # surfaced to the caller by take()
             error = e
+        if chunk:
+            self._inbox.put(("rows", chunk))
         self._inbox.put(("end", error))
 
     def _wait_for_room(self) -> bool:
@@ -93,45 +113,50 @@ class Feeder:
                     ended = True
                     if message[1] is not None:
                         raise message[1]
-                    continue
-                raw = message[1]
-                if kind == "built":
-                    item = message[2]
-                    if isinstance(item, ImagesPending):  # fetched, then built again
-                        self._start_fetchers()
-                        self._fetches.put((raw, item))
-                        continue
-                    busy -= 1
-                    if isinstance(item, BaseException):
-                        raise item
-                    self._ready.put(item)
-                    continue
-                if kind == "row":
-                    error = self._check(raw) if self._check is not None else None
-                    if error is not None:
-                        self._ready.put(error)
-                        continue
-                    busy += 1
-                self._workers.submit(self._build_one, raw, message[2] if kind == "images"
-                                     else None)
+                elif kind == "built":
+                    for raw, item in message[1]:
+                        if isinstance(item, ImagesPending):  # fetched, then built again
+                            self._start_fetchers()
+                            self._fetches.put((raw, item))
+                            continue
+                        busy -= 1
+                        if isinstance(item, BaseException):
+                            raise item
+                        self._ready.put(item)
+                elif kind == "images":
+                    self._workers.submit(self._build_many, [(message[1], message[2])])
+                else:  # "rows": a chunk of input rows, checked here in input order
+                    jobs = []
+                    for raw in message[1]:
+                        error = self._check(raw) if self._check is not None else None
+                        if error is not None:
+                            self._ready.put(error)
+                        else:
+                            jobs.append((raw, None))
+                    if jobs:
+                        busy += len(jobs)
+                        self._workers.submit(self._build_many, jobs)
         except BaseException as e:  # surfaced to the caller by take()
             self._error = e
         self._ready.put(_DONE)
 
-    def _build_one(self, raw: RawRow, loaded: list | Exception | None) -> None:
-        """On a build thread (images deferred there): the row's Task or RowError, its pending
-        images, or the exception its build raised, back to the dispatcher."""
-        try:
-            if loaded is None:
-                item = self._build(raw)
-            else:
-                with images_loaded(loaded):
+    def _build_many(self, jobs: list[tuple[RawRow, list | Exception | None]]) -> None:
+        """On a build thread (images deferred there): each row's Task or RowError, its pending
+        images, or the exception its build raised, back to the dispatcher in one message."""
+        built = []
+        for raw, loaded in jobs:
+            try:
+                if loaded is None:
                     item = self._build(raw)
-        except ImagesPending as pending:
-            item = pending
-        except BaseException as e:
-            item = e
-        self._inbox.put(("built", raw, item))
+                else:
+                    with images_loaded(loaded):
+                        item = self._build(raw)
+            except ImagesPending as pending:
+                item = pending
+            except BaseException as e:
+                item = e
+            built.append((raw, item))
+        self._inbox.put(("built", built))
 
     def _start_fetchers(self) -> None:
         if not self._fetchers_started:
