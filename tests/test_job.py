@@ -159,6 +159,26 @@ def test_requests_are_identical_only_when_every_sampling_field_is():
             assert _payload_key(b"p", other) != _payload_key(b"p", base), field.name
 
 
+def test_a_prompt_digest_covers_every_token_and_image():
+    """The digest is hashed in pieces (to keep the GIL): no token may fall between them."""
+    import hashlib
+
+    import numpy as np
+
+    from batchrun.job.runner import _prompt_digest
+
+    prompt = list(range(1, 1001))  # 8,000 bytes: several pieces
+    whole = hashlib.blake2b(np.asarray(prompt, dtype="<i8").tobytes(), digest_size=16)
+    assert _prompt_digest(prompt) == whole.digest()  # the pieces hash as the whole
+    digests = {_prompt_digest(prompt)}
+    for i in range(len(prompt)):
+        digests.add(_prompt_digest(prompt[:i] + [0] + prompt[i + 1:]))
+    assert len(digests) == len(prompt) + 1
+    images = tuple(f"{i:064x}" for i in range(40))  # 2,600 characters: more than one piece
+    assert len({_prompt_digest(prompt, images), _prompt_digest(prompt, images[:-1] + ("0",)),
+                _prompt_digest(prompt)}) == 3
+
+
 def test_parquet_round_trip_keeps_columns_and_types(tmp_path):
     out = tmp_path / "labels.parquet"
     run(SAMPLE / "reviews.parquet", "--job-dir", tmp_path / "job", "-o", out,

@@ -62,6 +62,7 @@ DONE_CACHE_SIZE = 4096  # recent outputs kept for identical rows further down th
 # Threads that build text rows (tokenization releases the GIL): a long shared instruction costs
 # ~2 ms a row to tokenize, as much as the H200 spends on the row. Image rows: one thread.
 BUILD_WORKERS = max(1, min(8, (os.cpu_count() or 2) // 2))
+HASH_PIECE = 2032  # bytes hashlib hashes holding the GIL (it lets go from 2,048 on)
 
 
 class JobError(Exception):
@@ -630,12 +631,15 @@ def _row_problem(task: Task, outs: list[Output]) -> tuple[str, str] | None:
 
 def _prompt_digest(prompt_ids: list[int], images: tuple[str, ...] = ()) -> bytes:
     """The prompt's tokens and images (an image's placeholder tokens are the same for every
-    image, so its content hash is part of it). Computed where the row is built: hashing a long
-    prompt releases the GIL, and the job loop, which feeds the engine, would then wait for the
-    feeder's threads to hand it back (measured: ~2 ms a row with 8 of them)."""
+    image, so its content hash is part of it). Computed where the row is built, in pieces that
+    hashlib hashes without letting go of the GIL (it lets go from 2,048 bytes on): on a build
+    thread, each let-go waited out the interpreter's switch interval behind the job loop's
+    Python, 1.7 ms a 1,800-token prompt against 0.06 ms (this project's CPU)."""
     h = hashlib.blake2b(digest_size=16)
-    h.update("|".join(images).encode())
-    h.update(np.asarray(prompt_ids, dtype="<i8").tobytes())
+    for data in ("|".join(images).encode(), np.asarray(prompt_ids, dtype="<i8").tobytes()):
+        view = memoryview(data)
+        for start in range(0, len(view), HASH_PIECE):
+            h.update(view[start:start + HASH_PIECE])
     return h.digest()
 
 
