@@ -201,7 +201,9 @@ def _build(value: Any, index: int, line: int, custom_id: str, prompts: PromptBui
             raise RowRejected("unsupported_field", f"{name} = {body[name]!r} is not supported "
                                                    "by batchrun: remove it")
     params = sampling_params(body, options.defaults, openai == "completion")
-    params = dataclasses.replace(params, constraint=row_constraint(body, options))
+    constraint = row_constraint(body, options)
+    if constraint is not params.constraint:
+        params = dataclasses.replace(params, constraint=constraint)
     n = body.get("n", options.n)
     if n is None:
         n = options.n
@@ -448,6 +450,8 @@ def sampling_params(body: dict, defaults: SamplingParams,
     if overrides.get("logprobs") is not None and not isinstance(overrides["logprobs"], bool):
         raise RowRejected("invalid_field", f"logprobs must be true or false, "
                                            f"got {overrides['logprobs']!r}")
+    if not overrides:  # the job's own (frozen: shared by its rows)
+        return defaults
     try:
         return dataclasses.replace(defaults, **overrides)
     except (ValueError, TypeError) as e:
