@@ -326,6 +326,10 @@ def _prompt_ids(body: dict, openai: str | None, prompts: PromptBuilder, options:
 
 def _image_refs(messages: Any, openai: str | None) -> list[tuple[str, object]]:
     """(field, reference) of every image in the messages, in order."""
+    if isinstance(messages, list) and all(
+            isinstance(m, dict) and (m.get("content") is None or isinstance(m["content"], str))
+            for m in messages):
+        return []  # text only: no need for the media module (PIL's import: 47 ms, once)
     from batchrun.io.media import MediaError, image_parts
 
     try:
