@@ -68,6 +68,38 @@ def test_row_fields_override_defaults(prompts):
     assert (t.params.max_tokens, t.params.temperature, t.params.stop) == (50, 0, ("END",))
 
 
+def test_a_row_without_its_own_sampling_fields_shares_the_jobs_params(prompts):
+    defaults = SamplingParams(max_tokens=50, stop=("END",))
+    messages = [{"role": "user", "content": "hi"}]
+    assert task({"messages": messages}, prompts, defaults=defaults).params is defaults
+    raw = task({"prompt": "a"}, prompts, defaults=defaults).params  # never read as reasoning
+    assert raw.thinking is False and defaults.thinking is None and raw.stop == ("END",)
+    own = task({"messages": messages, "max_tokens": 7}, prompts, defaults=defaults).params
+    assert (own.max_tokens, own.stop, defaults.max_tokens) == (7, ("END",), 50)
+
+
+def test_text_rows_do_not_load_the_image_machinery():
+    """Looking for images in an all-text row does not import the media module (PIL's plugin
+    registration, tens of milliseconds in a job's first row)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+from batchrun.job.rows import RowOptions, build_task
+class Prompts:
+    def encode_chat(self, messages, **kwargs): return [1, 2, 3]
+    def encode(self, prompt): return [1, 2]
+row = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]}
+assert build_task(row, 0, 1, Prompts(), RowOptions()).prompt_ids == [1, 2, 3]
+assert "batchrun.io.media" not in sys.modules
+parts = {"messages": [{"role": "user", "content": [{"type": "image_url",
+                                                    "image_url": {"url": "x.png"}}]}]}
+assert build_task(parts, 1, 2, Prompts(), RowOptions()).code == "vision_model_required"
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 @pytest.mark.parametrize("row, field", [
     ({"prompt": "a", "top_p": 1.5}, "top_p"),
     ({"prompt": "a", "max_tokens": -1}, "max_tokens"),
