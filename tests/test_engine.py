@@ -248,21 +248,36 @@ def test_invalid_sampling_values_name_the_field():
 
 def test_lean_decode_step_gives_what_mlx_lm_step_gives(demo, monkeypatch):
     """batchrun's own decode step (batch.py) against mlx-lm's GenerationBatch: a mixed batch of
-    greedy, seeded and logprob rows yields the same tokens and logprobs."""
+    greedy, seeded, logprob and penalized rows (whose penalties read the row's tokens so far)
+    yields the same tokens and logprobs."""
+    import batchrun.engine.sampling as sampling
     import batchrun.engine.text as text_module
 
+    seen = []  # the token context each penalized row's processor is called with
+    real_call = sampling.LogitAdjustments.__call__
+
+    def call(self, context, logits):
+        seen.append(context.tolist())
+        return real_call(self, context, logits)
+
+    monkeypatch.setattr(sampling.LogitAdjustments, "__call__", call)
+
     def run(lean: bool):
+        seen.clear()
         monkeypatch.setattr(text_module, "LEAN_STEP", lean)
         engine = make_engine(demo, max_concurrency=4)  # rows join as others finish
         for i, p in enumerate(PROMPTS):
-            params = [SamplingParams(max_tokens=8 + i),
+            params = [SamplingParams(max_tokens=10, repetition_penalty=1.5,
+                                     frequency_penalty=0.5),  # the prompt's repeats: rows 0, 4
+                      SamplingParams(max_tokens=8 + i),
                       SamplingParams(max_tokens=12, temperature=0.9, seed=i),
-                      SamplingParams(max_tokens=10, logprobs=True, top_logprobs=2)][i % 3]
+                      SamplingParams(max_tokens=10, logprobs=True, top_logprobs=2)][i % 4]
             engine.add_request(p, params)
-        return engine.run()
+        return engine.run(), sorted(seen)
 
-    lean, stock = run(True), run(False)
+    (lean, lean_seen), (stock, stock_seen) = run(True), run(False)
     assert [o.token_ids for o in lean] == [o.token_ids for o in stock]
+    assert lean_seen == stock_seen and len(lean_seen) >= 20
     assert any(o.logprobs for o in lean)
     for a, b in zip(lean, stock, strict=True):
         assert (a.logprobs is None) == (b.logprobs is None)

@@ -19,7 +19,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from batchrun.cache.prefix import Block, PrefixCache
 from batchrun.engine import decode_attention, prefix_attention
-from batchrun.engine.batch import LeanGenerationBatch
+from batchrun.engine.batch import LeanGenerationBatch, LeanPromptBatch
 from batchrun.engine.nvrtc import compile_ahead
 from batchrun.engine.postprocess import Step
 from batchrun.engine.prompt import PromptBuilder
@@ -107,6 +107,8 @@ class TextBackend:
         if LEAN_STEP:
             self._gen._generation_batch = LeanGenerationBatch.empty(
                 self.model, self._gen.sampler, self._logprob_uids)
+            self._gen._prompt_batch = LeanPromptBatch.empty(
+                self.model, self._gen.sampler, prefill_step_size=config.prefill_step_size)
             self._gen._generation_batch.speculator = self._speculator
         if self._speculator is not None and self._speculator.draft is not None:
             self._speculator.draft.reset()  # a fresh batch numbers its rows afresh
