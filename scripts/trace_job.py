@@ -142,6 +142,8 @@ traced(generate.BatchGenerator, "_make_batch", lambda a, r: f"{a[1]} rows")
 traced(generate.GenerationBatch, "__init__", lambda a, r: f"{len(a[0].uids)} rows")
 traced(batch.LeanGenerationBatch, "_step", lambda a, r: f"{len(a[0].uids)} rows")
 traced(batch.LeanGenerationBatch, "extend", lambda a, r: f"{len(a[1].uids)} rows joining")
+if hasattr(batch.LeanGenerationBatch, "fresh"):  # freshly prefilled rows, made lean directly
+    traced(batch.LeanGenerationBatch, "fresh", lambda a, r: f"{len(a[1])} rows")
 
 
 def profiled(real, path: str):
