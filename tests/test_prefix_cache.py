@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from batchrun.cache import block_layout, make_prefix_cache
 from batchrun.cache.disk import DiskCache
 from batchrun.cache.layout import BlockLayout
-from batchrun.cache.prefix import Block, PrefixCache, block_keys
+from batchrun.cache.prefix import Block, KeyMemo, PrefixCache, block_keys
 from batchrun.cli import cli
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import EngineConfig, SamplingParams
@@ -68,6 +68,28 @@ def test_keys_are_the_ones_caches_already_on_disk_were_written_with():
         parent = h.digest()
         expected.append(parent)
     assert block_keys(tokens, 64, b"root") == expected
+
+
+def test_keys_reused_from_the_last_prompt_are_the_keys_of_this_one():
+    """The job loop reuses the last row's keys for the whole blocks a row shares with it:
+    every prompt still gets exactly its own keys, whatever came before it."""
+    import random
+
+    rng = random.Random(5)
+    memo = KeyMemo()
+    base = [rng.randrange(1000) for _ in range(300)]
+    image = ((70, "ab" * 32),)
+    prompts = []
+    for _ in range(200):
+        cut = rng.randrange(len(base) + 1)
+        tokens = base[:cut] + [rng.randrange(1000) for _ in range(rng.randrange(0, 90))]
+        if tokens and rng.random() < 0.2:  # differ in one token anywhere
+            tokens[rng.randrange(len(tokens))] = 1000
+        prompts.append((tokens, rng.choice([8, 16]), rng.choice([b"a", b"b"]),
+                        image if rng.random() < 0.2 else ()))
+    for tokens, size, root, media in prompts + prompts[::-1]:
+        assert memo.block_keys(tokens, size, root, media) == block_keys(tokens, size, root,
+                                                                          media)
 
 
 def test_shared_prefix_is_computed_once_and_outputs_do_not_change(demo):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import array
 import hashlib
 import sys
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,10 +61,51 @@ def block_salts(media: Media, block_size: int, n_blocks: int) -> list[bytes]:
 def block_keys(tokens: list[int], block_size: int, root: bytes, media: Media = ()) -> list[bytes]:
     """The chained key of each whole block of `tokens` (and of the images in `media`)."""
     n = len(tokens) // block_size
-    data = _token_bytes(tokens[: n * block_size])
-    keys, parent, width = [], root, 4 * block_size
-    for i, salt in enumerate(block_salts(media, block_size, n)):
-        parent = _chain(parent, data[i * width: (i + 1) * width], salt)
+    return _chained(_token_bytes(tokens[: n * block_size]), block_size, root, media, n, 0, [])
+
+
+class KeyMemo:
+    """The last prompt's block keys, for the next prompt that starts with the same whole blocks:
+    a labeling job's rows share a long instruction, whose ~28 blocks would otherwise be hashed
+    again for every row in the job loop. The keys are exactly `block_keys`'."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: tuple = (b"", -1, b"", (), [])  # token bytes, block size, root, media, keys
+
+    def block_keys(self, tokens: list[int], block_size: int, root: bytes,
+                   media: Media = ()) -> list[bytes]:
+        n = len(tokens) // block_size
+        data = _token_bytes(tokens[: n * block_size])
+        with self._lock:
+            last_data, last_size, last_root, last_media, last_keys = self._last
+        same = 0
+        if (block_size, root, media) == (last_size, last_root, last_media):
+            width = 4 * block_size
+            mine, theirs = memoryview(data), memoryview(last_data)
+            low, high = 0, min(n, len(last_keys))
+            if mine[: high * width] == theirs[: high * width]:
+                low = high
+            while low < high:  # the most whole blocks the two prompts start with
+                mid = (low + high + 1) // 2
+                if mine[: mid * width] == theirs[: mid * width]:
+                    low = mid
+                else:
+                    high = mid - 1
+            same = low
+        keys = last_keys[:same] + _chained(data, block_size, root, media, n, same, last_keys)
+        with self._lock:
+            self._last = (data, block_size, root, media, keys)
+        return keys
+
+
+def _chained(data: bytes, block_size: int, root: bytes, media: Media, n: int, start: int,
+             known: list[bytes]) -> list[bytes]:
+    """The keys of blocks `start` to `n` of `data`, after the `start` keys `known`."""
+    keys, parent, width = [], known[start - 1] if start else root, 4 * block_size
+    salts = block_salts(media, block_size, n)
+    for i in range(start, n):
+        parent = _chain(parent, data[i * width: (i + 1) * width], salts[i])
         keys.append(parent)
     return keys
 
@@ -119,10 +161,12 @@ class PrefixCache:
     # Called with the blocks each store() added: writes them to disk.
     on_store: Callable[[list[Block]], None] | None = None
     disk: object | None = None  # the DiskCache behind prefetch / on_store, if any
+    memo: KeyMemo = field(default_factory=KeyMemo, repr=False)
 
     def keys_for(self, tokens: list[int], media: Media = ()) -> list[bytes]:
         # Leave at least one token uncached: the engine must compute the last prompt token.
-        return block_keys(tokens[: max(0, len(tokens) - 1)], self.block_size, self.root, media)
+        return self.memo.block_keys(tokens[: max(0, len(tokens) - 1)], self.block_size,
+                                    self.root, media)
 
     def match(self, tokens: list[int], keys: list[bytes] | None = None) -> list[Block]:
         """The longest run of cached blocks that prefixes `tokens` (confirmed token by token)."""
