@@ -640,6 +640,34 @@ def test_rows_go_on_while_a_slow_input_is_still_being_read():
         feeder.close()
 
 
+def paced_rows(n: int, pace: float):
+    for i in range(n):
+        time.sleep(pace)
+        yield RawRow(i, i + 1, {"prompt": "x"})
+
+
+def test_an_idle_take_waits_for_rows_while_they_keep_coming():
+    """An idle engine's take goes on while each row comes within `linger` of the one before
+    (the rows of a job's start are admitted together, not in waves)."""
+    feeder = Feeder(paced_rows(30, 0.01), lambda raw: raw.index, lookahead=64)
+    try:
+        assert feeder.take(100, block=True, linger=0.1, timeout=5.0) == list(range(30))
+    finally:
+        feeder.close()
+
+
+def test_an_idle_take_stops_lingering_at_its_cap():
+    from batchrun.job.feeder import LINGER_CAP_S
+
+    feeder = Feeder(paced_rows(400, 0.01), lambda raw: raw.index, lookahead=1000)
+    try:
+        start = time.monotonic()
+        taken = feeder.take(1000, block=True, linger=0.1, timeout=5.0)
+        assert 10 < len(taken) < 400 and time.monotonic() - start < LINGER_CAP_S + 1.0
+    finally:
+        feeder.close()
+
+
 def test_rows_in_chunks_keep_their_checks_errors_and_order():
     """Many rows in one chunk: each is checked in input order, each build's failure is its
     own, and every row comes out once."""

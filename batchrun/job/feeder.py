@@ -33,6 +33,7 @@ POLL_S = 0.1  # how often the reader, waiting for room, looks for a stop
 CLOSE_WAIT_S = 1.0  # close() waits at most this long for the reader and the builder
 CHUNK = 32  # rows that travel between the feeder's threads as one message
 CHUNK_WAIT_S = 0.02  # a chunk goes on when its first row has waited this long for the rest
+LINGER_CAP_S = 0.5  # the longest take() lingers for more rows once it has one
 
 _DONE = object()
 
@@ -179,17 +180,20 @@ class Feeder:
     def take(self, n: int, block: bool, linger: float = 0.0,
              timeout: float | None = None) -> list[Task | RowError]:
         """Up to n ready items. With `block`, wait up to `timeout` seconds (None: until one
-        comes) for the first one, then up to `linger` seconds for more: an idle engine loses
-        nothing by waiting, and rows admitted together let the engine see which of them share
-        a prompt prefix."""
+        comes) for the first one, then for more as long as each comes within `linger` seconds
+        of the one before (at most LINGER_CAP_S in all): an idle engine loses nothing by
+        waiting while rows are being built, and rows admitted together are one prefill (of
+        new shapes: its kernels' first use) and let the engine see which of them share a
+        prompt prefix."""
         items: list[Task | RowError] = []
         first = None if timeout is None else time.monotonic() + timeout
-        deadline = None
+        cap = None
         while len(items) < n and not self.exhausted:
             if items:
-                if deadline is None:
-                    deadline = time.monotonic() + (linger if block else 0.0)
-                wait = deadline - time.monotonic()
+                now = time.monotonic()
+                if cap is None:
+                    cap = now + (LINGER_CAP_S if block else 0.0)
+                wait = min(cap, now + linger) - now if block else 0.0
             elif block:
                 wait = None if first is None else first - time.monotonic()
             else:

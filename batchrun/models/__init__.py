@@ -146,8 +146,14 @@ def load_vision_model(model: str) -> LoadedModel:
 def load_model(model: str | None) -> LoadedModel:
     from mlx_lm.utils import load
 
+    from batchrun.engine import first_use
+
     path = local_path(model)
-    m, tokenizer, config = load(path, return_config=True)
+    beside = first_use.start(path)  # on a GPU: the first use of its kernels while this loads
+    try:
+        m, tokenizer, config = load(path, return_config=True)
+    finally:
+        first_use.finish(beside)
     return LoadedModel(m, tokenizer, config, path, context_length(config),
                        model_fingerprint(path))
 
