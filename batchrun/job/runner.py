@@ -55,7 +55,7 @@ COMMIT_INTERVAL_S = 1.0
 # disk busy at most about this share of a job's time: where one takes long (a network disk:
 # 1.3-2.3 s measured on the H200 host), they come less often.
 COMMIT_SHARE = 0.25
-FILL_LINGER_S = 0.05  # an idle engine waits this long for more rows to admit together
+FILL_LINGER_S = 0.05  # an idle engine takes more rows while each comes within this of the last
 PROGRESS_INTERVAL_S = 0.5
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 DONE_CACHE_SIZE = 4096  # recent outputs kept for identical rows further down the input
