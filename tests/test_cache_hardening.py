@@ -659,3 +659,27 @@ def test_fuzz_a_mutated_block_file_loads_as_the_original_or_not_at_all(tmp_path,
     path.write_bytes(original)  # the next example starts from the valid file
     assert same_block(disk.load(ORIGINAL.key), ORIGINAL)
 
+
+
+def test_blocks_fetched_together_make_the_files_each_block_makes_alone(monkeypatch):
+    """Blocks' tensors come from the device in few transfers (prepare_many); every file is
+    byte for byte the one its block makes alone, and reads back to its arrays."""
+    blocks = []
+    for i, dtype in enumerate([mx.bfloat16, mx.float32, mx.float16, mx.bfloat16]):
+        full = mx.random.normal((1, 2, 9, 4), key=mx.random.key(i)).astype(dtype)
+        arrays = {"k.0": full[:, :, 1:7, :], "v.0": mx.arange(48).reshape(1, 2, 6, 4)
+                  .astype(dtype)}  # a strided slice and a plain array
+        blocks.append((arrays, {"n": str(i)}))
+    alone = [blockfile.encode(arrays, meta) for arrays, meta in blocks]
+    for limit in (1 << 30, 1):  # all in one transfer; one block a transfer
+        monkeypatch.setattr(blockfile, "TRANSFER_BYTES", limit)
+        pending = blockfile.prepare_many(blocks)
+        assert [blockfile.pack(p) for p in pending] == alone
+        for p, (arrays, _) in zip(pending, blocks, strict=True):  # each tensor's own bytes
+            assert p.body == b"".join(memoryview(mx.view(a, mx.uint8)).tobytes()
+                                      for a in arrays.values())
+    for data, (arrays, _) in zip(alone, blocks, strict=True):
+        expect = {name: (tuple(a.shape), blockfile._NAMES[a.dtype]) for name, a in arrays.items()}
+        decoded, meta = blockfile.decode(data, expect)
+        for name, a in arrays.items():
+            assert mx.array_equal(decoded[name], a).item(), name

@@ -37,6 +37,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -269,20 +270,23 @@ class DiskCache:
     def save(self, blocks: list[Block]) -> None:
         """Write blocks (replacing any entry of the same key), record them in the index, evict
         past the cap."""
-        self._write(self._encoded(blocks))
+        self._write(self._prepared(blocks))
 
     def save_later(self, blocks: list[Block]) -> None:
-        """`save` on the writer thread (the bytes are made here); `flush` waits for it."""
-        encoded = self._encoded(blocks)
-        if not encoded:
+        """`save` on the writer thread (the tensors' bytes are fetched here, the files made and
+        written there); `flush` waits for it."""
+        prepared = self._prepared(blocks)
+        if not prepared:
             return
         if self._writer is None:
             self._writer = ThreadPoolExecutor(1, "batchrun-cache-write")
         self._writes = [f for f in self._writes if not f.done()]
-        self._writes.append(self._writer.submit(self._write, encoded))
+        self._writes.append(self._writer.submit(self._write, prepared))
 
-    def _encoded(self, blocks: list[Block]) -> list[tuple[bytes, bytes]]:
-        return [(block.key, data) for block in blocks if (data := self._encode(block)) is not None]
+    def _prepared(self, blocks: list[Block]) -> list[tuple[bytes, blockfile.Pending]]:
+        kept = [(block, parts) for block in blocks if (parts := self._parts(block)) is not None]
+        pending = blockfile.prepare_many([parts for _, parts in kept])
+        return [(block.key, p) for (block, _), p in zip(kept, pending, strict=True)]
 
     def flush(self) -> None:
         """Wait until every block handed to `save` is written (or failed, with its warning)."""
@@ -290,9 +294,10 @@ class DiskCache:
         for write in writes:
             write.result()
 
-    def _write(self, encoded: list[tuple[bytes, bytes]]) -> None:
+    def _write(self, prepared: list[tuple[bytes, blockfile.Pending]]) -> None:
         written = {}
-        for key, data in encoded:
+        for key, pending in prepared:
+            data = blockfile.pack(pending)
             try:
                 self.files.write(_file_name(key), data)
             except OSError as e:  # a full or read-only cache never stops a job
@@ -307,7 +312,8 @@ class DiskCache:
         if written:
             self._update_index(written)
 
-    def _encode(self, block: Block) -> bytes | None:
+    def _parts(self, block: Block) -> tuple[dict[str, Any], dict[str, str]] | None:
+        """The block's tensors by name and its metadata (None: not this model's layout)."""
         tensors = block.keys + block.values
         shape, dtype = self.layout.shape(self.block_size), DTYPES[self.layout.dtype]
         if len(tensors) != len(self.expected) or len(block.tokens) != self.block_size \
@@ -319,7 +325,7 @@ class DiskCache:
             return None
         meta = {**self._meta, "parent": block.parent.hex(),
                 "tokens": orjson.dumps(list(block.tokens)).decode(), "salt": block.salt.hex()}
-        return blockfile.encode(dict(zip(self.expected, tensors, strict=True)), meta)
+        return dict(zip(self.expected, tensors, strict=True)), meta
 
     def _update_index(self, written: dict[str, dict]) -> None:
         try:
