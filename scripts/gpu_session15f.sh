@@ -3,7 +3,7 @@
 # 512-row labeling jobs (an empty cache folder each: the instruction computed, its 27 blocks
 # stored and written) with this tree (blocks fetched from the device in one transfer, files made
 # on the writer thread; the stand-in warm-up) against commit bbcd92d's batchrun/ (in old/, with
-# this trace_job.py), three interleaved pairs after a throwaway of each. Results: $OUT/keep.tgz
+# this trace_job.py), two interleaved pairs after a throwaway of each. Results: $OUT/keep.tgz
 # and the printed lines.
 OUT=${OUT:-/tmp/out}
 W=/tmp/work6; rm -rf $W; mkdir -p $W/keep
@@ -11,7 +11,7 @@ source scripts/gpu_lib.sh
 labeling_rows
 label throwaway rows512 c0
 TRACE=old/scripts/trace_job.py label throwaway-old rows512 c00
-for i in 1 2 3; do
+for i in 1 2; do
     TRACE=old/scripts/trace_job.py label cold-old-$i rows512 cold-old-$i
     label cold-new-$i rows512 cold-new-$i
 done
