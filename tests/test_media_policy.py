@@ -656,6 +656,22 @@ def test_an_idle_take_waits_for_rows_while_they_keep_coming():
         feeder.close()
 
 
+def test_an_idle_take_waits_for_rows_still_being_built():
+    """Rows read and being built are waited for even when they come in bursts further apart
+    than `linger` (build threads hand rows back a piece at a time)."""
+    def build(raw):
+        if raw.index % 8 == 7:
+            time.sleep(0.08)
+        return raw.index
+
+    feeder = Feeder(iter([RawRow(i, i + 1, {"prompt": "x"}) for i in range(24)]), build,
+                    lookahead=64, workers=1)
+    try:
+        assert feeder.take(100, block=True, linger=0.03, timeout=5.0) == list(range(24))
+    finally:
+        feeder.close()
+
+
 def test_an_idle_take_stops_lingering_at_its_cap():
     from batchrun.job.feeder import LINGER_CAP_S
 

@@ -31,7 +31,8 @@ from batchrun.job.rows import ImagesPending, RowError, Task, defer_images, image
 FETCH_THREADS = 4  # image loads at once
 POLL_S = 0.1  # how often the reader, waiting for room, looks for a stop
 CLOSE_WAIT_S = 1.0  # close() waits at most this long for the reader and the builder
-CHUNK = 32  # rows that travel between the feeder's threads as one message
+CHUNK = 32  # rows that travel from the reader to the dispatcher as one message
+BUILD_PIECE = 8  # rows a build thread builds and hands back as one message
 CHUNK_WAIT_S = 0.02  # a chunk goes on when its first row has waited this long for the rest
 LINGER_CAP_S = 0.5  # the longest take() lingers for more rows once it has one
 
@@ -56,6 +57,10 @@ class Feeder:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._fetch_threads = max(1, fetch_threads)
+        # Rows read, and rows ready or gone to fetch their images, each counted by one thread:
+        # the difference is rows on their way (take() lingers for them).
+        self._read_n = 0
+        self._settled_n = 0
         self._fetchers_started = False
         self.exhausted = False
         self._reader = self._start(self._read, "batchrun-reader")
@@ -86,6 +91,7 @@ class Feeder:
                 if not chunk:
                     started = time.monotonic()
                 chunk.append(raw)
+                self._read_n += 1
                 if len(chunk) >= CHUNK or time.monotonic() - started > CHUNK_WAIT_S:
                     self._inbox.put(("rows", chunk))
                     chunk = []
@@ -115,7 +121,9 @@ class Feeder:
                     if message[1] is not None:
                         raise message[1]
                 elif kind == "built":
-                    for raw, item in message[1]:
+                    for raw, item, fetched in message[1]:
+                        if not fetched:  # a row's first build: it is ready or goes to fetch
+                            self._settled_n += 1
                         if isinstance(item, ImagesPending):  # fetched, then built again
                             self._start_fetchers()
                             self._fetches.put((raw, item))
@@ -131,12 +139,14 @@ class Feeder:
                     for raw in message[1]:
                         error = self._check(raw) if self._check is not None else None
                         if error is not None:
+                            self._settled_n += 1
                             self._ready.put(error)
                         else:
                             jobs.append((raw, None))
-                    if jobs:
-                        busy += len(jobs)
-                        self._workers.submit(self._build_many, jobs)
+                    for start in range(0, len(jobs), BUILD_PIECE):
+                        piece = jobs[start:start + BUILD_PIECE]
+                        busy += len(piece)
+                        self._workers.submit(self._build_many, piece)
         except BaseException as e:  # surfaced to the caller by take()
             self._error = e
         self._ready.put(_DONE)
@@ -156,7 +166,7 @@ class Feeder:
                 item = pending
             except BaseException as e:
                 item = e
-            built.append((raw, item))
+            built.append((raw, item, loaded is not None))
         self._inbox.put(("built", built))
 
     def _start_fetchers(self) -> None:
@@ -180,11 +190,12 @@ class Feeder:
     def take(self, n: int, block: bool, linger: float = 0.0,
              timeout: float | None = None) -> list[Task | RowError]:
         """Up to n ready items. With `block`, wait up to `timeout` seconds (None: until one
-        comes) for the first one, then for more as long as each comes within `linger` seconds
-        of the one before (at most LINGER_CAP_S in all): an idle engine loses nothing by
-        waiting while rows are being built, and rows admitted together are one prefill (of
-        new shapes: its kernels' first use) and let the engine see which of them share a
-        prompt prefix."""
+        comes) for the first one, then for more while rows read are still being built, or each
+        comes within `linger` seconds of the one before (at most LINGER_CAP_S in all): an idle
+        engine loses nothing by waiting while rows are being built, and rows admitted together
+        are one prefill and let the engine see which of them share a prompt prefix. (A job's
+        rows in two waves made batch shapes new to the machine: on the H200 a first step of
+        such a shape compiled kernels for 4.4 s.)"""
         items: list[Task | RowError] = []
         first = None if timeout is None else time.monotonic() + timeout
         cap = None
@@ -202,6 +213,9 @@ class Feeder:
                 item = self._ready.get(timeout=wait) if wait is None or wait > 0 else \
                     self._ready.get_nowait()
             except queue.Empty:
+                if block and items and self._read_n > self._settled_n \
+                        and time.monotonic() < cap:
+                    continue  # rows read and being built: they come soon
                 break
             if item is _DONE:
                 self.exhausted = True
