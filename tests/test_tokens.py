@@ -5,7 +5,7 @@ import copy
 from types import SimpleNamespace
 
 from batchrun.engine.prompt import PromptBuilder
-from batchrun.engine.tokens import Encoder, SharedStarts
+from batchrun.engine.tokens import DIRECT_CHECKS, Encoder, SharedStarts
 
 SYSTEM = "You label reviews. " + " ".join(f"Example {i}: good kettle -> positive."
                                          for i in range(60))
@@ -103,3 +103,19 @@ def test_a_direct_encode_that_differs_turns_it_off(demo):
     assert encode("hello world") == expected  # a checked use: transformers' ids
     assert not encode.direct
     assert encode("hello world") == expected  # and from then on transformers' encode
+
+
+def test_another_callers_settings_do_not_change_direct_encodes(demo):
+    """transformers resets its Rust tokenizer's truncation, padding and special-token
+    splitting on every call; a call that sets them must not change batchrun's prompts."""
+    hf = copy.deepcopy(demo.tokenizer.encode.__self__)
+    encode = Encoder(hf)
+    texts = ["<|im_start|>user\\nhello there, how are you?<|im_end|>", SYSTEM]
+    expected = [list(hf.encode(t, add_special_tokens=False)) for t in texts]
+    for _ in range(DIRECT_CHECKS + 1):  # past the checked first uses
+        encode(texts[0])
+    hf(["x " * 50], truncation=True, max_length=5)
+    hf(["x"], padding=True, pad_to_multiple_of=64)
+    hf(["<|im_start|>"], split_special_tokens=True)
+    assert [encode(t) for t in texts] == expected
+    assert encode.direct

@@ -140,7 +140,17 @@ def _plain_backend(tokenizer: Any) -> Any:
             or not isinstance(owner, TokenizersBackend)
             or type(owner)._encode_plus is not TokenizersBackend._encode_plus):
         return None
-    return getattr(owner, "backend_tokenizer", None)
+    backend = getattr(owner, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    # A copy of its own, set as transformers' encode sets the shared one on every call: another
+    # caller's truncation, padding or special-token splitting left on the shared one would
+    # otherwise change every prompt after it.
+    private = type(backend).from_str(backend.to_str())
+    private.no_truncation()
+    private.no_padding()
+    private.encode_special_tokens = bool(getattr(owner, "split_special_tokens", False))
+    return private
 
 
 def common_length(prompts: list[list[int]]) -> int:
