@@ -621,8 +621,8 @@ def test_rows_built_on_several_threads_come_out_once_checked_in_input_order():
 
 
 def test_rows_go_on_while_a_slow_input_is_still_being_read():
-    """Rows travel between the feeder's threads in chunks; a chunk does not wait for a slow
-    input to fill it."""
+    """Rows travel between the feeder's threads in batches; no row waits for more to be
+    read."""
     produced = []
 
     def rows():
@@ -681,6 +681,27 @@ def test_an_idle_take_stops_lingering_at_its_cap():
         taken = feeder.take(1000, block=True, linger=0.1, timeout=5.0)
         assert 10 < len(taken) < 400 and time.monotonic() - start < LINGER_CAP_S + 1.0
     finally:
+        feeder.close()
+
+
+def test_rows_read_go_on_while_the_input_blocks():
+    go = threading.Event()
+
+    def rows():
+        yield RawRow(0, 1, {"prompt": "x"})
+        yield RawRow(1, 2, {"prompt": "x"})
+        go.wait(10)  # a slow disk, a Parquet batch being read
+        yield RawRow(2, 3, {"prompt": "x"})
+
+    feeder = Feeder(rows(), lambda raw: raw.index, lookahead=64)
+    try:
+        start = time.monotonic()
+        taken = feeder.take(10, block=True, linger=0.05, timeout=5.0)
+        assert taken == [0, 1] and time.monotonic() - start < 2.0
+        go.set()
+        assert take_all(feeder, 1) == [2]
+    finally:
+        go.set()
         feeder.close()
 
 

@@ -3,9 +3,12 @@
 One thread reads rows; one dispatches them: it runs the sequential checks (`check`: duplicate
 ids, which depend on input order) and hands the rows to `workers` build threads (chat-template
 rendering, tokenization, the vision processor) while the engine computes (MLX releases the
-GIL), so the engine's loop only takes ready Tasks. Rows travel between these threads in chunks
-of up to CHUNK: each handoff from one thread to another is a GIL switch, and while the engine's
-thread runs Python a switch can wait out the interpreter's switch interval (5 ms).
+GIL), so the engine's loop only takes ready Tasks. Rows travel between these threads in
+batches: the reader wakes the dispatcher once CHUNK rows are read, the dispatcher also looks
+every ROWS_POLL_S and takes every row read so far (so no row waits for more to be read, however
+the input stalls), and a build thread hands back BUILD_PIECE rows at a time. Each handoff from
+one thread to another is a GIL switch, and while the engine's thread runs Python a switch can
+wait out the interpreter's switch interval (5 ms).
 
 A row with images goes to a small pool of fetch threads that load them (each image within its
 media deadline) and comes back to be built: a slow image holds up no other row, so rows may
@@ -31,9 +34,9 @@ from batchrun.job.rows import ImagesPending, RowError, Task, defer_images, image
 FETCH_THREADS = 4  # image loads at once
 POLL_S = 0.1  # how often the reader, waiting for room, looks for a stop
 CLOSE_WAIT_S = 1.0  # close() waits at most this long for the reader and the builder
-CHUNK = 32  # rows that travel from the reader to the dispatcher as one message
+CHUNK = 32  # rows read that wake the dispatcher (it also looks every ROWS_POLL_S)
+ROWS_POLL_S = 0.02
 BUILD_PIECE = 8  # rows a build thread builds and hands back as one message
-CHUNK_WAIT_S = 0.02  # a chunk goes on when its first row has waited this long for the rest
 LINGER_CAP_S = 0.5  # the longest take() lingers for more rows once it has one
 
 _DONE = object()
@@ -49,7 +52,7 @@ class Feeder:
         self._workers = ThreadPoolExecutor(max(1, workers), "batchrun-build",
                                            initializer=defer_images)
         self._room = threading.Semaphore(max(1, lookahead))  # rows inside, until taken
-        # The dispatcher's inbox: ("rows", [raw]), ("images", raw, loaded),
+        # The dispatcher's inbox: ("rows",), ("images", raw, loaded),
         # ("built", [(raw, item)]), ("end", error), ("stop",)
         self._inbox: queue.Queue = queue.Queue()
         self._fetches: queue.Queue = queue.Queue()  # (raw, ImagesPending); None: exit
@@ -61,6 +64,9 @@ class Feeder:
         # the difference is rows on their way (take() lingers for them).
         self._read_n = 0
         self._settled_n = 0
+        self._rows_lock = threading.Lock()
+        self._rows_read: list[RawRow] = []  # read, not yet taken by the dispatcher
+        self._rows_signalled = False  # a ("rows",) message is on its way to the dispatcher
         self._fetchers_started = False
         self.exhausted = False
         self._reader = self._start(self._read, "batchrun-reader")
@@ -74,31 +80,21 @@ class Feeder:
 
     def _read(self) -> None:
         error = None
-        chunk: list[RawRow] = []
-        started = 0.0
         try:
             rows = iter(self._rows)
-            while not self._stop.is_set():
-                if not self._room.acquire(blocking=False):
-                    if chunk:  # rows read so far go on while the reader waits for room
-                        self._inbox.put(("rows", chunk))
-                        chunk = []
-                    if not self._wait_for_room():
-                        break
+            while self._wait_for_room():
                 raw = next(rows, _DONE)
                 if raw is _DONE:
                     break
-                if not chunk:
-                    started = time.monotonic()
-                chunk.append(raw)
                 self._read_n += 1
-                if len(chunk) >= CHUNK or time.monotonic() - started > CHUNK_WAIT_S:
-                    self._inbox.put(("rows", chunk))
-                    chunk = []
+                with self._rows_lock:  # the dispatcher takes all rows read so far at once
+                    self._rows_read.append(raw)
+                    wake = not self._rows_signalled and len(self._rows_read) >= CHUNK
+                    self._rows_signalled |= wake
+                if wake:
+                    self._inbox.put(("rows",))
         except BaseException as e:  # surfaced to the caller by take()
             error = e
-        if chunk:
-            self._inbox.put(("rows", chunk))
         self._inbox.put(("end", error))
 
     def _wait_for_room(self) -> bool:
@@ -112,10 +108,15 @@ class Feeder:
         ended = False
         try:
             while not (ended and busy == 0):
-                message = self._inbox.get()
+                try:  # rows read but not yet signalled are looked for at least this often
+                    message = self._inbox.get(timeout=ROWS_POLL_S)
+                except queue.Empty:
+                    message = ("rows",)
                 if self._stop.is_set():
                     return
                 kind = message[0]
+                if kind in ("rows", "end"):  # the rows read so far, in input order
+                    busy += self._dispatch()
                 if kind == "end":
                     ended = True
                     if message[1] is not None:
@@ -134,22 +135,27 @@ class Feeder:
                         self._ready.put(item)
                 elif kind == "images":
                     self._workers.submit(self._build_many, [(message[1], message[2])])
-                else:  # "rows": a chunk of input rows, checked here in input order
-                    jobs = []
-                    for raw in message[1]:
-                        error = self._check(raw) if self._check is not None else None
-                        if error is not None:
-                            self._settled_n += 1
-                            self._ready.put(error)
-                        else:
-                            jobs.append((raw, None))
-                    for start in range(0, len(jobs), BUILD_PIECE):
-                        piece = jobs[start:start + BUILD_PIECE]
-                        busy += len(piece)
-                        self._workers.submit(self._build_many, piece)
         except BaseException as e:  # surfaced to the caller by take()
             self._error = e
         self._ready.put(_DONE)
+
+    def _dispatch(self) -> int:
+        """Check the rows read since the last call (in input order) and hand them to the build
+        threads BUILD_PIECE at a time; the number handed."""
+        with self._rows_lock:
+            raws, self._rows_read = self._rows_read, []
+            self._rows_signalled = False
+        jobs = []
+        for raw in raws:
+            error = self._check(raw) if self._check is not None else None
+            if error is not None:
+                self._settled_n += 1
+                self._ready.put(error)
+            else:
+                jobs.append((raw, None))
+        for start in range(0, len(jobs), BUILD_PIECE):
+            self._workers.submit(self._build_many, jobs[start:start + BUILD_PIECE])
+        return len(jobs)
 
     def _build_many(self, jobs: list[tuple[RawRow, list | Exception | None]]) -> None:
         """On a build thread (images deferred there): each row's Task or RowError, its pending
@@ -213,7 +219,7 @@ class Feeder:
                 item = self._ready.get(timeout=wait) if wait is None or wait > 0 else \
                     self._ready.get_nowait()
             except queue.Empty:
-                if block and items and self._read_n > self._settled_n \
+                if block and items and linger > 0 and self._read_n > self._settled_n \
                         and time.monotonic() < cap:
                     continue  # rows read and being built: they come soon
                 break
