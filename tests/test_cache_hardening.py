@@ -4,6 +4,7 @@ changes an output, and each kind of fault is one warning."""
 
 import errno
 import itertools
+import logging
 import os
 import re
 import stat
@@ -683,3 +684,21 @@ def test_blocks_fetched_together_make_the_files_each_block_makes_alone(monkeypat
         decoded, meta = blockfile.decode(data, expect)
         for name, a in arrays.items():
             assert mx.array_equal(decoded[name], a).item(), name
+
+
+def test_blocks_the_device_cannot_hand_over_are_kept_in_memory_with_a_warning(tmp_path,
+                                                                             monkeypatch,
+                                                                             caplog):
+    disk = open_disk(tmp_path / "cache")
+
+    def fail(blocks):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(blockfile, "prepare_many", fail)
+    with caplog.at_level(logging.WARNING, logger="batchrun"):
+        disk.save([make_block(range(4))])
+        disk.save_later([make_block(range(8, 12))])
+        disk.flush()
+    assert not list(disk.folder.glob("*.safetensors"))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "kept in memory only" in warnings[0]

@@ -40,6 +40,38 @@ def test_a_configuration_no_stand_in_fits_is_skipped_quietly(caplog):
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+def test_only_a_flat_configuration_gets_a_stand_in(monkeypatch, tmp_path):
+    """A vision-language model's nested text configuration carries its own layer count: a
+    'one-layer' copy of the top level could be a full-depth random model beside the real one."""
+    config = demo_config()
+    assert first_use.flat(config)
+    nested = {"model_type": "llava", "text_config": config, "vocab_size": config["vocab_size"],
+              "num_hidden_layers": 1}
+    assert not first_use.flat(nested)
+    assert not first_use.flat({k: v for k, v in config.items() if k != "num_hidden_layers"})
+    monkeypatch.setattr(first_use, "_started", threading.Event())
+    monkeypatch.setattr(first_use, "wanted", lambda: True)
+    (tmp_path / "config.json").write_text(json.dumps(nested))
+    assert first_use.start(str(tmp_path)) is None
+
+
+def test_a_stand_in_that_would_not_be_one_layer_is_not_built(caplog, monkeypatch):
+    """Built but never evaluated: its random weights are lazy, so skipping it costs nothing."""
+    import mlx_lm.models.llama as llama
+
+    real = llama.Model.__init__
+
+    def deeper(self, args):
+        args.num_hidden_layers = 3  # an architecture that reads its depth elsewhere
+        args.layer_types = args.layer_types * 3
+        real(self, args)
+
+    monkeypatch.setattr(llama.Model, "__init__", deeper)
+    with caplog.at_level(logging.DEBUG, logger="batchrun"):
+        assert first_use.run(demo_config()) is False
+    assert "not one layer deep" in caplog.text
+
+
 def test_only_on_a_cuda_gpu_unless_turned_off(monkeypatch):
     from types import SimpleNamespace
 

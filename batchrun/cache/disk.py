@@ -285,7 +285,14 @@ class DiskCache:
 
     def _prepared(self, blocks: list[Block]) -> list[tuple[bytes, blockfile.Pending]]:
         kept = [(block, parts) for block in blocks if (parts := self._parts(block)) is not None]
-        pending = blockfile.prepare_many([parts for _, parts in kept])
+        try:
+            pending = blockfile.prepare_many([parts for _, parts in kept])
+        except (RuntimeError, MemoryError) as e:  # the device could not hand over the bytes
+            if "fetch" not in self._warned:
+                self._warned.add("fetch")
+                log.warning("prefix cache: blocks not written to %s (%s); they are kept in "
+                            "memory only", self.folder, e)
+            return []
         return [(block.key, p) for (block, _), p in zip(kept, pending, strict=True)]
 
     def flush(self) -> None:

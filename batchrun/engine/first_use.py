@@ -49,7 +49,7 @@ def start(model_path: str) -> threading.Thread | None:
         config = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(config, dict):
+    if not flat(config):
         return None
     _started.set()
     thread = threading.Thread(target=run, args=(config,), name="batchrun-stand-in", daemon=True)
@@ -78,6 +78,17 @@ def run(config: dict) -> bool:
         return False
 
 
+def flat(config: Any) -> bool:
+    """A configuration a one-layer stand-in is sure to be one layer of: its layer count and
+    vocabulary at the top, no nested model configuration (a vision-language model's text_config
+    with a layer count of its own would build a full-depth random model beside the real one)."""
+    return (isinstance(config, dict)
+            and type(config.get("num_hidden_layers")) is int
+            and type(config.get("vocab_size")) is int
+            and not any(isinstance(v, dict) and ("num_hidden_layers" in v or "vocab_size" in v)
+                        for v in config.values()))
+
+
 def stand_in(config: dict) -> Any:
     """A one-layer model of `config`'s architecture, dtype and quantization, random weights."""
     import mlx.core as mx
@@ -90,6 +101,8 @@ def stand_in(config: dict) -> Any:
     classes = getattr(utils, "get_model_classes", None) or utils._get_classes
     model_class, args_class = classes(config=config)
     model = model_class(args_class.from_dict(config))
+    if len(getattr(model, "layers", ())) != 1:  # its random weights are not made (lazy)
+        raise ValueError("the stand-in is not one layer deep")
     dtype = getattr(mx, str(config.get("torch_dtype") or "bfloat16").removeprefix("torch."))
     model.update(tree_map(lambda a: a.astype(dtype), model.parameters()))
     quantization = config.get("quantization")
