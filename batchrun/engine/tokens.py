@@ -95,7 +95,8 @@ class Encoder:
     keeps the GIL.
 
     The direct call is taken only for transformers' plain fast tokenizer (a class that encodes its
-    own way, such as mlx-lm's newline tokenizer, keeps transformers' path), and its first uses for
+    own way, such as mlx-lm's newline tokenizer, keeps transformers' path), on a private copy of
+    the Rust tokenizer set as transformers sets its own before each call, and its first uses for
     each `add_special_tokens` are checked against transformers' result: one mismatch turns it
     off for good.
     """
@@ -118,7 +119,7 @@ class Encoder:
             check = self._checks[add_special_tokens] > 0
             if check:
                 self._checks[add_special_tokens] -= 1
-        if check:  # transformers' call first: it also sets the backend's truncation and padding
+        if check:
             expected = list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
             if direct.encode(text, add_special_tokens=add_special_tokens).ids != expected:
                 self._direct = None

@@ -209,7 +209,7 @@ class Feeder:
             if items:
                 now = time.monotonic()
                 if cap is None:
-                    cap = now + (LINGER_CAP_S if block else 0.0)
+                    cap = now + LINGER_CAP_S
                 wait = min(cap, now + linger) - now if block else 0.0
             elif block:
                 wait = None if first is None else first - time.monotonic()
