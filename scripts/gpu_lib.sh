@@ -21,3 +21,19 @@ pack() {  # everything kept, gzipped traces, as one archive under $OUT
     gzip -f $W/keep/*.txt 2>/dev/null
     tar czf $OUT/keep.tgz -C $W/keep .
 }
+ab() {  # n rows cache name_a env_a name_b env_b: n interleaved pairs of labeling jobs
+    # (an env is one VAR=value, or - for none), then both sides' job walls on one line each
+    local n=$1 rows=$2 cache=$3 a=$4 ea=$5 b=$6 eb=$7 i
+    [ "$ea" = - ] && ea=BATCHRUN_AB=a
+    [ "$eb" = - ] && eb=BATCHRUN_AB=b
+    for i in $(seq 1 $n); do
+        label $a-$i $rows $cache $ea
+        label $b-$i $rows $cache $eb
+    done
+    for side in $a $b; do
+        python3 -c "import json, statistics, sys
+walls = [json.load(open(f'$W/keep/label-report-$side-{i}.json'))['runs'][-1]['wall_s']
+         for i in range(1, $n + 1)]
+print('$side:', ' / '.join(f'{w:.3f}' for w in walls), 'median', round(statistics.median(walls), 3))"
+    done
+}
