@@ -341,6 +341,14 @@ class Job:
             raise
         return self.report
 
+    def close(self) -> None:
+        """Done with the job's model: the prefix cache's pending blocks are written and the
+        engine lets go of its threads and its cache folder (a later run loads the model
+        again; with Ray, its actors hold the models and end with the cluster)."""
+        if self.runner is not None and not self.options.ray_address:  # Ray's are its actors'
+            self.runner.engine.close()
+        self.runner = None
+
     def results(self) -> Iterator[dict]:
         """Every row's record in input order: its result, or its error record."""
         from batchrun.job.recovery import ordered_records

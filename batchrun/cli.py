@@ -8,6 +8,7 @@ stopped by SIGTERM (progress kept). With `-o -`, stdout carries result lines onl
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import logging
@@ -15,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +40,8 @@ JOB_FILE_KEYS = ("input", "model", "output", "job_dir", "format", "max_concurren
                  "ray_actors", "ray_num_cpus", "ray_num_gpus", "ray_slice_rows")
 ROWS_FAILED = 3  # exit code of --fail-on-row-errors when a row failed
 STDIN = "-"  # as INPUT: JSONL rows on stdin; as -o: results on stdout
+FAST_EXIT_ENV = "BATCHRUN_FAST_EXIT"  # 0: the interpreter's full teardown at exit
+FAST_EXIT_WAIT_S = 1.0  # how long the exit waits for threads still ending
 JOB_FILE_PATHS = ("input", "output", "job_dir", "cache_dir", "json_schema")
 
 
@@ -390,6 +394,7 @@ def _run(ctx: click.Context, input_path: Path, opts: dict, spooled: list[Path],
                        f"{cache_stats['disk_loaded_blocks']:,} blocks from disk"
                        + (f", {cache_stats['disk_skipped']:,} damaged entries removed"
                           if cache_stats["disk_skipped"] else "") + ")", err=True)
+    job.close()  # the cache's threads and folder: nothing is left running when it exits
     return (ROWS_FAILED if fail_on_row_errors and report["rows_failed"] else 0), spec
 
 
@@ -660,7 +665,6 @@ def status(job_dir: Path) -> None:
                 type=click.Path(path_type=Path, exists=True, file_okay=False))
 def ls(directory: Path | None) -> None:
     """The job folders under DIR (default jobs/) with their progress, one line each."""
-    import time
 
     from batchrun.job.listing import DEFAULT_JOBS_DIR, list_jobs
 
@@ -817,7 +821,6 @@ _cache_dir_option = click.option(
 @_cache_dir_option
 def cache_ls(cache_dir: Path | None) -> None:
     """One line per model: blocks, size, last use."""
-    import time
 
     from batchrun.cache.disk import cache_summary
 
@@ -926,7 +929,34 @@ def main() -> None:
     except SystemExit as e:
         if e.code in (130, 143):
             _exiting_on_a_signal()
+        elif e.code is None or type(e.code) is int:
+            _exit_now(e.code or 0)
         raise
+
+
+def _exit_now(code: int) -> None:
+    """End the process without the interpreter's teardown, once nothing is left to finish:
+    freeing every module, the model and MLX's state one object at a time took 0.15-0.3 s of a
+    3-s labeling process on a 2-core CPU. Only when every thread but daemons has ended (waited
+    for a moment, as the normal exit would); the exit handlers run and the streams and logs are
+    flushed first. Otherwise (or with BATCHRUN_FAST_EXIT=0) the normal exit goes on."""
+    if os.environ.get(FAST_EXIT_ENV) == "0":
+        return
+    deadline = time.monotonic() + FAST_EXIT_WAIT_S
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                return
+    atexit._run_exitfuncs()  # (they run once: the normal exit would not run them again)
+    logging.shutdown()
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+    except (OSError, ValueError):  # a closed pipe: the normal exit says so as it would have
+        return
+    os._exit(code)
 
 
 def _exiting_on_a_signal() -> None:

@@ -3,7 +3,7 @@ batch_generate, each a fresh process, on the same rows (N raw prompts of ~128 to
 new tokens, greedy).
 
     python scripts/bench_decode_job.py OUT_DIR --model PATH [--rows 1024] [--max-tokens 256]
-        [--concurrency 256,1024] [--systems batchrun,masked,nocudnn,batch_generate]
+        [--concurrency 256,1024] [--systems batchrun,masked,nocudnn,noshared,batch_generate]
         [--flags "..."] [--trace]
 
 - batchrun: `batchrun run ROWS --max-tokens N --model PATH` (no other flags); tok/s over the
@@ -11,6 +11,7 @@ new tokens, greedy).
 - masked: the same with BATCHRUN_DECODE_KERNEL=0 (decode attention through mlx-lm's mask);
 - nocudnn: the same with MLX_CUDA_USE_CUDNN_SDPA=0 (MLX's prefill attention without cuDNN);
 - session8: the same with session 8's GPU defaults (a 32,768-token prefill budget, no warm-up);
+- noshared: the same with --no-shared-prefix (each row its own copy of any cached prefix);
 - batch_generate: mlx-lm's batch_generate on the same prompts' tokens at each concurrency;
   tok/s over its own call (after imports, loading and tokenizing).
 A system may be named twice (the second run finds MLX's and the driver's kernel caches warm).
@@ -56,7 +57,11 @@ ENV = {"batchrun": {},
        "masked": {"BATCHRUN_DECODE_KERNEL": "0"},
        # MLX's prefill attention without cuDNN (which builds a graph for every new shape)
        "nocudnn": {"MLX_CUDA_USE_CUDNN_SDPA": "0"},
-       "session8": {}}
+       "session8": {},
+       "noshared": {}}
+# Systems that run batchrun with flags of their own (rows without a shared prefix: the shared
+# attention's machinery switched off, for issue 13's "no regression elsewhere").
+FLAGS = {"noshared": ["--no-shared-prefix"]}
 # Systems that run batchrun with some of its settings as they were (Python run first).
 PATCHES = {
     # session 8's defaults: a fixed 32,768-token prefill budget on a GPU, no warm-up
@@ -119,7 +124,7 @@ def main() -> None:
             start = time.perf_counter()
             proc = run([sys.executable, *entry, "run", str(rows), "--quiet", "--max-tokens",
                         str(args.max_tokens), "--model", args.model, "--job-dir", str(job),
-                        "--restart", *args.flags.split()], env)
+                        "--restart", *FLAGS.get(system, []), *args.flags.split()], env)
             process = time.perf_counter() - start
             if args.trace:
                 (out / f"trace-{system}-{n}.txt").write_text(proc.stderr)

@@ -11,7 +11,8 @@ in seconds since the process started.
 Also when the feeder's threads finished building the first and the last row. With
 TRACE_NO_WARM_UP=1 the engine's warm-up is skipped (to measure what it costs or saves); with
 TRACE_PROFILE=PATH the job loop runs under cProfile and its statistics go to PATH; with
-TRACE_BUILD_WORKERS=N the feeder builds rows on N threads.
+TRACE_BUILD_WORKERS=N the feeder builds rows on N threads; with TRACE_SWITCH_INTERVAL=S the
+interpreter hands the GIL between threads every S seconds (sys.setswitchinterval).
 """
 
 import time
@@ -203,6 +204,8 @@ if os.environ.get("TRACE_PROFILE"):
     runner.JobRunner._run = profiled(runner.JobRunner._run, os.environ["TRACE_PROFILE"])
 if os.environ.get("TRACE_BUILD_WORKERS"):
     runner.BUILD_WORKERS = int(os.environ["TRACE_BUILD_WORKERS"])
+if os.environ.get("TRACE_SWITCH_INTERVAL"):  # the interpreter's GIL switch interval, s
+    sys.setswitchinterval(float(os.environ["TRACE_SWITCH_INTERVAL"]))
 if os.environ.get("TRACE_NO_WARM_UP") == "1":
     engine.Engine.warm_up = lambda self, cpu_too=False: None
 

@@ -218,6 +218,14 @@ class PrefixCache:
         if self.disk is not None:
             self.disk.flush()
 
+    def close(self) -> None:
+        """Write what is pending, then let go of the disk's threads and folder: the memory
+        blocks stay usable, nothing more is read from or written to disk."""
+        if self.disk is not None:
+            disk, self.disk = self.disk, None
+            self.prefetch = self.on_store = None
+            disk.close()
+
     def _get(self, key: bytes) -> Block | None:
         block = self.blocks.get(key)
         if block is not None:

@@ -29,6 +29,7 @@ class CacheControl:
         self.prefix_cache = make_prefix_cache(
             self.model_fingerprint, share, Path(config.cache_dir) if config.cache_dir else None,
             config.prefix_block_size, layout=block_layout(self.backend.kv_model))
+        self._owns_prefix_cache = True
 
     @property
     def prefix_cache(self) -> PrefixCache | None:

@@ -86,6 +86,7 @@ class Engine(Requests, CacheControl):
         self.scheduler = Scheduler(self.memory, self.config.max_concurrency or cap,
                                    self.config.prefill_batch_size)
         self.prefix_cache = prefix_cache
+        self._owns_prefix_cache = False  # enable_prefix_cache's, not one handed in
         self._warm_up_planner: PrefixPlanner | None = None  # the cache's, set aside meanwhile
         self._grammars: Grammars | None = None
         self._markup: Markup | None = None
@@ -454,8 +455,13 @@ class Engine(Requests, CacheControl):
                                         self.generated_tokens, self.num_running))
 
     def close(self) -> None:
-        if self.prefix_cache is not None:
-            self.prefix_cache.flush()
+        """The engine is done: what its prefix cache has for the disk is written, and a cache
+        it made itself (Engine.load's) lets go of its threads and folder."""
+        cache = self.prefix_cache
+        if cache is not None and self._owns_prefix_cache:
+            cache.close()
+        elif cache is not None:
+            cache.flush()
         self.backend.close()
 
 

@@ -59,9 +59,10 @@ FILL_LINGER_S = 0.05  # an idle engine takes more rows while each comes within t
 PROGRESS_INTERVAL_S = 0.5
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 DONE_CACHE_SIZE = 4096  # recent outputs kept for identical rows further down the input
-# Threads that build text rows. Tokenization now keeps the GIL (engine/tokens.py's Encoder), so
-# they overlap little: 2 against 8 measured the same on the H200 (session 15). Image rows: one.
-BUILD_WORKERS = max(1, min(8, (os.cpu_count() or 2) // 2))
+# Threads that build rows. Tokenization keeps the GIL (engine/tokens.py's Encoder), so more
+# threads only contend for it with the job loop and the warm-up: warm 512-row labeling jobs on
+# the H200 took 0.938 s (median of 4) with one, 0.996 with 2, 1.074 with 8 (BENCHMARKS.md).
+BUILD_WORKERS = 1
 HASH_PIECE = 2032  # bytes hashlib hashes holding the GIL (it lets go from 2,048 on)
 
 
