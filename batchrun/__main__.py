@@ -1,3 +1,3 @@
-from batchrun.cli import main
+from batchrun.cli import entry
 
-main()
+entry()

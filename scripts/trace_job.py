@@ -36,7 +36,7 @@ from batchrun.engine.load import keep_torch_out  # noqa: E402
 if "--model" in sys.argv:  # as the command line does, before this script imports mlx-lm
     keep_torch_out(sys.argv[sys.argv.index("--model") + 1])
 from batchrun.cache import disk  # noqa: E402
-from batchrun.cli import main  # noqa: E402
+from batchrun.cli import entry  # noqa: E402
 from batchrun.engine import (  # noqa: E402
     batch,
     decode_attention,
@@ -211,4 +211,4 @@ if os.environ.get("TRACE_NO_WARM_UP") == "1":
 
 if __name__ == "__main__":
     sys.argv = ["batchrun", *sys.argv[1:]]
-    main()
+    entry()

@@ -116,6 +116,28 @@ def test_a_thread_still_running_keeps_the_normal_exit(exits):
     assert taken == [4] and handlers_run == [1]
 
 
+def test_code_that_calls_main_itself_keeps_its_process(exits, tmp_path, monkeypatch):
+    taken, _ = exits
+    rows = write_rows(tmp_path / "rows.jsonl", 2)
+    monkeypatch.setattr(sys, "argv", ["batchrun", "run", str(rows), "--job-dir",
+                                      str(tmp_path / "j"), "--quiet"])
+    with pytest.raises(SystemExit) as e:
+        cli_module.main()
+    assert e.value.code == 0 and taken == []
+
+
+def test_a_profiler_or_a_tracer_gets_the_end_of_the_program(exits):
+    taken, _ = exits
+    for watch, watching in ((sys.setprofile, sys.getprofile), (sys.settrace, sys.gettrace)):
+        before = watching()  # (a coverage tool's tracer, say)
+        watch(lambda *args: None)
+        try:
+            cli_module._exit_now(0)
+        finally:
+            watch(before)
+    assert taken == []
+
+
 def test_a_thread_that_ends_within_the_wait_is_waited_for(exits):
     taken, _ = exits
     done = []
