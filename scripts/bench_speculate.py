@@ -6,7 +6,7 @@ Each workload runs its systems interleaved, `--reps` times, in one process (engi
 the first request to the last output; the model and draft loaded once, a warm-up first):
 - few: 8 sample questions (sample_data/prompts.jsonl, not its weather-tool rows), greedy,
   max_tokens 256 (the model ends its answers itself); plain, then --draft-model with 4 and 6
-  guesses, then ngram (and with --other-draft PATH, that draft with 4 and 6 guesses);
+  guesses, then ngram (and with --other-draft PATH, that draft with 4 and 6 guesses, in long too);
 - long: the same 8 rows made 256 tokens each (min_tokens 256: past its answer the model goes
   on as its lessons taught it), the issue's 8 x 256 job; the same systems;
   few_sampled: the same rows sampled (temperature 0.7, seeded);
@@ -117,8 +117,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--workloads", default="few,few_sampled,extract,tail,full")
     parser.add_argument("--other-draft", type=Path,
-                        help="a second draft model, run beside the demo's in `few` (other4, "
-                             "other6)")
+                        help="a second draft model, run beside the demo's in `few` and `long` "
+                             "(other4, other6)")
     args = parser.parse_args()
     if args.other_draft:
         DRAFTS["other"] = args.other_draft
@@ -126,7 +126,7 @@ def main() -> None:
     results = {}
     for name in args.workloads.split(","):
         target, rows, params, concurrency, systems = WORKLOADS[name]
-        if name == "few" and args.other_draft:
+        if name in ("few", "long") and args.other_draft:
             systems = (*systems, "other4", "other6")
         lm = load_model(str(target))
         chats = rows()
