@@ -233,6 +233,10 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
         opts = _merge_job_file(ctx, input_path, opts)
         input_path = opts.pop("input")
     to_stdout = _is_dash(opts["output"])
+    if to_stdout and sys.stdout is None:
+        raise click.UsageError("-o - writes the results to stdout, and this process has none "
+                               "(it was closed): pass -o FILE, or leave -o out for the job "
+                               "folder's results.jsonl")
     spooled: list[Path] = []  # the stdin job's input, once spooled
     main_thread = threading.current_thread() is threading.main_thread()
     if main_thread:  # SIGTERM before the job's own handling (loading, recovering) stops too
@@ -251,7 +255,13 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
     if isinstance(spec, str):  # a dry run's findings: on stdout, -o - or not
         click.echo(spec)
     elif to_stdout and spec is not None:
-        _print_results(spec.results_path)
+        try:
+            _print_results(spec.results_path)
+        except BrokenPipeError:
+            raise  # the reader stopped early (| head): click ends it as any command
+        except OSError as e:
+            raise _fail(f"could not write the results to stdout: {e.strerror or e}; they "
+                        f"are in {spec.results_path}") from None
     if code:
         ctx.exit(code)
 
@@ -356,46 +366,64 @@ def _run(ctx: click.Context, input_path: Path, opts: dict, spooled: list[Path],
         _say_where(spec, done.rows_failed)
         return (ROWS_FAILED if fail_on_row_errors and done.rows_failed else 0), spec
     _prepare(job, debug)
-    runner, engine = job.runner, job.engine
-    resume = resume_command(sys.argv[2:], spec.input if from_stdin else None)
+    with _closed_at_the_end(job):
+        runner, engine = job.runner, job.engine
+        resume = resume_command(sys.argv[2:], spec.input if from_stdin else None)
+        try:
+            with _long_lived_frozen():
+                report = runner.run()
+        except Interrupted as e:
+            click.echo(rp.summary_text(runner.report), err=True)
+            how = "interrupted" if e.signum == signal.SIGINT else f"stopped by {e}"
+            click.echo(f"{how}: progress is saved in {job_dir}\n  resume with: {resume}",
+                       err=True)
+            ctx.exit(128 + e.signum)
+        except JobError as e:
+            job.discard_spool()
+            raise _fail(str(e), code=e.exit_code) from None
+        except OSError as e:
+            job.discard_spool()
+            if debug:
+                raise
+            raise _fail(f"{e.strerror or e}: {e.filename or ''}".rstrip(": "),
+                        f"progress is saved; fix the problem and resume with: {resume}") from e
+        click.echo(rp.summary_text(report), err=True)
+        if runner.deduplicated:
+            click.echo(f"identical rows computed once: {runner.deduplicated:,} reused", err=True)
+        _say_where(spec, report["rows_failed"])
+        click.echo(f"report:     {job_dir / 'report.html'}", err=True)
+        if job.options.ray_address:
+            for w in report.get("workers", []):
+                click.echo(f"worker {w['actor']}: {w['rows']:,} rows in {w['slices']} slices, "
+                           f"{w['completion_tokens_per_s']:,.1f} tok/s busy ({w['node']}, "
+                           f"pid {w['pid']}{', died' if not w['alive'] else ''})", err=True)
+        else:
+            cache_stats = engine.get_cache_stats()
+            if cache_stats and (cache_stats["hits"] or cache_stats["stored_blocks"]):
+                click.echo(f"prefix cache: {cache_stats['hit_tokens']:,} prompt tokens reused "
+                           f"({cache_stats['hits']:,} hits, {cache_stats['misses']:,} misses, "
+                           f"{cache_stats['disk_loaded_blocks']:,} blocks from disk"
+                           + (f", {cache_stats['disk_skipped']:,} damaged entries removed"
+                              if cache_stats["disk_skipped"] else "") + ")", err=True)
+        return (ROWS_FAILED if fail_on_row_errors and report["rows_failed"] else 0), spec
+
+
+@contextlib.contextmanager
+def _closed_at_the_end(job) -> Iterator[None]:
+    """Whatever the job's ending, it lets go of its model and of the cache's threads and folder
+    (their pending blocks written): nothing is left running when the process exits. Where the
+    job failed, a failure to close it as well is logged at debug level: the job's own error is
+    the one to say."""
     try:
-        with _long_lived_frozen():
-            report = runner.run()
-    except Interrupted as e:
-        click.echo(rp.summary_text(runner.report), err=True)
-        how = "interrupted" if e.signum == signal.SIGINT else f"stopped by {e}"
-        click.echo(f"{how}: progress is saved in {job_dir}\n  resume with: {resume}",
-                   err=True)
-        ctx.exit(128 + e.signum)
-    except JobError as e:
-        job.discard_spool()
-        raise _fail(str(e), code=e.exit_code) from None
-    except OSError as e:
-        job.discard_spool()
-        if debug:
-            raise
-        raise _fail(f"{e.strerror or e}: {e.filename or ''}".rstrip(": "),
-                    f"progress is saved; fix the problem and resume with: {resume}") from e
-    click.echo(rp.summary_text(report), err=True)
-    if runner.deduplicated:
-        click.echo(f"identical rows computed once: {runner.deduplicated:,} reused", err=True)
-    _say_where(spec, report["rows_failed"])
-    click.echo(f"report:     {job_dir / 'report.html'}", err=True)
-    if job.options.ray_address:
-        for w in report.get("workers", []):
-            click.echo(f"worker {w['actor']}: {w['rows']:,} rows in {w['slices']} slices, "
-                       f"{w['completion_tokens_per_s']:,.1f} tok/s busy ({w['node']}, "
-                       f"pid {w['pid']}{', died' if not w['alive'] else ''})", err=True)
-    else:
-        cache_stats = engine.get_cache_stats()
-        if cache_stats and (cache_stats["hits"] or cache_stats["stored_blocks"]):
-            click.echo(f"prefix cache: {cache_stats['hit_tokens']:,} prompt tokens reused "
-                       f"({cache_stats['hits']:,} hits, {cache_stats['misses']:,} misses, "
-                       f"{cache_stats['disk_loaded_blocks']:,} blocks from disk"
-                       + (f", {cache_stats['disk_skipped']:,} damaged entries removed"
-                          if cache_stats["disk_skipped"] else "") + ")", err=True)
-    job.close()  # the cache's threads and folder: nothing is left running when it exits
-    return (ROWS_FAILED if fail_on_row_errors and report["rows_failed"] else 0), spec
+        yield
+    except BaseException:
+        try:
+            job.close()
+        except Exception as e:
+            logging.getLogger("batchrun").debug("closing the job after its failure: %s: %s",
+                                                type(e).__name__, e)
+        raise
+    job.close()
 
 
 @contextlib.contextmanager
@@ -955,11 +983,14 @@ def _exit_now(code: int) -> None:
             or sys.gettrace() is not None:
         return
     deadline = time.monotonic() + FAST_EXIT_WAIT_S
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                return
+    try:
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join(max(0.0, deadline - time.monotonic()))
+                if thread.is_alive():
+                    return
+    except KeyboardInterrupt:  # Ctrl-C while waiting: the command's own ending stands
+        return
     atexit._run_exitfuncs()  # (they run once: the normal exit would not run them again)
     logging.shutdown()
     try:

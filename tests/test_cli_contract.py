@@ -688,3 +688,24 @@ def test_a_dry_run_with_output_to_stdout_prints_its_findings_on_stdout(tmp_path)
     code, out, err = cli_process("run", tmp_path / "rows.jsonl", "--dry-run", "-o", "-")
     assert code == 0, err
     assert out.decode().startswith("rows:          2")
+
+
+def test_results_stdout_cannot_take_is_one_line_and_the_job_kept(tmp_path):
+    """-o - into a full device (ENOSPC) or with stdout closed: one clear line, no traceback;
+    the job's records stay in its folder."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(b"".join(orjson.dumps({"custom_id": f"r{i}", "prompt": f"Say {i}"}) + b"\n"
+                              for i in range(3)))
+    command = [sys.executable, "-m", "batchrun", "run", str(rows), "--job-dir",
+               str(tmp_path / "j"), "-o", "-", "--quiet", "--max-tokens", "2"]
+    with open("/dev/full", "wb") as full:
+        done = subprocess.run(command, stdout=full, stderr=subprocess.PIPE, timeout=180)
+    err = done.stderr.decode()
+    assert done.returncode == 1 and "Traceback" not in err
+    assert "could not write the results to stdout: No space left on device" in err
+    assert len((tmp_path / "j" / "results.jsonl").read_bytes().splitlines()) == 3
+    closed = subprocess.run(command + ["--restart"], stderr=subprocess.PIPE, timeout=180,
+                            preexec_fn=lambda: os.close(1))
+    err = closed.stderr.decode()
+    assert closed.returncode == 2 and "Traceback" not in err
+    assert "this process has none (it was closed)" in err

@@ -166,3 +166,52 @@ def test_a_closed_job_leaves_no_thread_of_its_own_running(tmp_path):
     assert keep.runner is None
     folder = next((tmp_path / "cache" / "prefix").iterdir())
     assert entry_files(folder)  # its blocks were written before it let go
+
+
+def test_ctrl_c_while_the_exit_waits_leaves_the_commands_ending(exits, monkeypatch):
+    taken, handlers_run = exits
+
+    class Lingering:  # a thread that is still running when Ctrl-C comes
+        daemon = False
+
+        def join(self, timeout=None):
+            raise KeyboardInterrupt
+
+        def is_alive(self):
+            return True
+
+    monkeypatch.setattr(cli_module.threading, "enumerate", lambda: [Lingering()])
+    cli_module._exit_now(1)  # returns: the normal exit goes on with the command's code
+    assert taken == [] and handlers_run == []
+
+
+def test_a_job_that_fails_after_its_cache_started_still_lets_go_of_its_threads(
+        tmp_path, monkeypatch):
+    """A job that stops on a disk error (after its prefix cache wrote blocks) closes too: no
+    idle cache thread is left for the exit to wait on."""
+    import errno
+
+    from click.testing import CliRunner
+
+    from batchrun.job.runner import JobRunner
+
+    real = JobRunner.run
+
+    def full_disk(self):
+        real(self)
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "j"))
+
+    monkeypatch.setattr(JobRunner, "run", full_disk)
+    rows = write_rows(tmp_path / "rows.jsonl", 6)
+    before = set(threading.enumerate())
+    result = CliRunner().invoke(cli_module.cli, ["run", str(rows), "--job-dir",
+                                                 str(tmp_path / "j"), "--cache-dir",
+                                                 str(tmp_path / "cache"), "--quiet"])
+    assert result.exit_code == 1 and "No space left on device" in result.output
+    assert "Traceback" not in result.output
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and [t for t in threading.enumerate()
+                                           if t not in before and not t.daemon]:
+        time.sleep(0.01)
+    assert [t.name for t in threading.enumerate() if t not in before and not t.daemon] == []
+    assert entry_files(next((tmp_path / "cache" / "prefix").iterdir()))  # written first
