@@ -30,8 +30,12 @@ ab() {  # n rows cache name_a env_a name_b env_b: n interleaved pairs of labelin
         label $a-$i $rows $cache $ea
         label $b-$i $rows $cache $eb
     done
-    for side in $a $b; do
-        python3 -c "import json, statistics, sys
+    medians $n $a $b
+}
+medians() {  # n side...: each side's job walls (label-report-SIDE-1..n) and their median
+    local n=$1 side; shift
+    for side in "$@"; do
+        python3 -c "import json, statistics
 walls = [json.load(open(f'$W/keep/label-report-$side-{i}.json'))['runs'][-1]['wall_s']
          for i in range(1, $n + 1)]
 print('$side:', ' / '.join(f'{w:.3f}' for w in walls), 'median', round(statistics.median(walls), 3))"

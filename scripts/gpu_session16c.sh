@@ -15,11 +15,7 @@ for i in 1 2 3 4; do
     label w2-$i rows512 c0 TRACE_BUILD_WORKERS=2
     label switch-$i rows512 c0 TRACE_SWITCH_INTERVAL=0.001
 done
-for side in default w1 w2 switch; do
-    python3 -c "import json, statistics
-walls = [json.load(open(f'$W/keep/label-report-$side-{i}.json'))['runs'][-1]['wall_s'] for i in range(1, 5)]
-print('$side:', ' / '.join(f'{w:.3f}' for w in walls), 'median', round(statistics.median(walls), 3))"
-done
+medians 4 default w1 w2 switch
 for name in default-2 w1-2 w2-2 switch-2; do
     echo "$name:"; grep "Engine.warm_up\|rows built\|Feeder.take [1-9]\|load_many 2\|prompt 510" \
         $W/keep/label-trace-$name.txt | head -6

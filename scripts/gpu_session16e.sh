@@ -15,11 +15,7 @@ for i in 1 2 3 4 5; do
     label new-$i rows512 c0
     TRACE=old/scripts/trace_job.py label old-$i rows512 c0
 done
-for side in new old; do
-    python3 -c "import json, statistics
-walls = [json.load(open(f'$W/keep/label-report-$side-{i}.json'))['runs'][-1]['wall_s'] for i in range(1, 6)]
-print('$side:', ' / '.join(f'{w:.3f}' for w in walls), 'median', round(statistics.median(walls), 3))"
-done
+medians 5 new old
 for name in new-1 old-1 new-2 old-2; do
     echo "$name:"; grep "_load_model\|Engine.warm_up\|rows built\|Feeder.take [1-9]" \
         $W/keep/label-trace-$name.txt | head -5
