@@ -29,9 +29,9 @@ class Backend(Protocol):
     def start(self, max_concurrency: int, config: EngineConfig) -> None:
         """A fresh, empty batch (dropping the old one, after a fault)."""
 
-    def share_prefixes(self, on: bool, copies: bool = False) -> bool:
-        """Rows starting from cached blocks attend one shared copy (`copies`: each row holds
-        a copy of them instead); whether they now share."""
+    def share_prefixes(self, on: bool) -> bool:
+        """Rows starting from cached blocks attend one shared copy of them (else each row holds
+        a copy); whether they now share."""
 
     def detokenizer(self) -> Any:
         """A new streaming detokenizer (add_token, text)."""

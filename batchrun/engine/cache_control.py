@@ -40,8 +40,7 @@ class CacheControl:
     def prefix_cache(self, cache: PrefixCache | None) -> None:
         self.scheduler.planner = PrefixPlanner(cache) if cache is not None else None
         self.scheduler.shares_prefix = self.backend.share_prefixes(
-            cache is not None and self.config.shared_prefix,
-            copies=cache is not None and not self.config.shared_prefix)
+            cache is not None and self.config.shared_prefix)
 
     def get_cache_stats(self) -> dict | None:
         """Prefix-cache figures: hits, misses, tokens served, blocks and bytes in memory."""

@@ -144,6 +144,26 @@ class PrefixedCache(KVCache):
         return SharedPrefixBatchCache([c.prefix for c in caches], caches[0].layer)
 
 
+class CopiedCache(KVCache):
+    """One row's cache for one layer as it is inserted, without a shared prefix: empty, or a copy
+    of the row's cached blocks (--no-shared-prefix). The batch merges these as mlx-lm merges
+    its own, into a SharedPrefixBatchCache without prefixes: decode steps still take row
+    ranges (decode_attention.py) instead of a mask."""
+
+    def __init__(self, layer: int = 0):
+        super().__init__()
+        self.layer = layer
+
+    @classmethod
+    def merge(cls, caches: list[CopiedCache]) -> SharedPrefixBatchCache:
+        merged = BatchKVCache.merge(caches)  # the copies left-padded to one length
+        batch = SharedPrefixBatchCache([None] * len(caches), caches[0].layer)
+        batch.keys, batch.values = merged.keys, merged.values
+        batch.left_padding, batch.offset, batch._idx = \
+            merged.left_padding, merged.offset, merged._idx
+        return batch
+
+
 class SharedPrefixBatchCache(BatchKVCache):
     """mlx-lm's batch cache of the rows' own tokens, plus the prefix each row starts with.
     `offset` (each row's RoPE position) counts the prefix; the stored keys do not hold it."""

@@ -27,6 +27,7 @@ from batchrun.engine.request import EngineConfig, SamplingParams
 from batchrun.engine.sampling import LogitAdjustments, make_sampler
 from batchrun.engine.sequence import Sequence
 from batchrun.engine.shared_prefix import (
+    CopiedCache,
     PrefixedCache,
     SharedPrefix,
     SharedPrefixBatchCache,
@@ -62,7 +63,6 @@ class TextBackend:
         self._gen: BatchGenerator | None = None
         self._speculator = None  # speculate.Speculator: speculative decoding, narrow batches
         self.shares_prefix = False  # rows attend one shared copy of a cached prefix
-        self._copies = False  # rows with cached blocks hold copies of them (no sharing)
         self._shared: OrderedDict[tuple[bytes, int], SharedPrefix] = OrderedDict()
         caches = make_prompt_cache(model)
         self._layers = len(caches)
@@ -86,12 +86,11 @@ class TextBackend:
             calls.append(decode_attention.compile_call(dtype, D, G))
         compile_ahead(*(c for c in calls if c is not None))
 
-    def share_prefixes(self, on: bool, copies: bool = False) -> bool:
+    def share_prefixes(self, on: bool) -> bool:
         """Rows starting from cached blocks attend one shared copy of them (shared_prefix.py)
-        where the model's architecture allows (`copies`: each holds a copy of them); returns
+        where the model's architecture allows (else each holds a copy of them); returns
         whether they share."""
         self.shares_prefix = on and install(self.model)
-        self._copies = copies and not self.shares_prefix
         return self.shares_prefix
 
     def start(self, max_concurrency: int, config: EngineConfig) -> None:
@@ -160,17 +159,24 @@ class TextBackend:
         reference to the one shared copy of them, extended by the tokens rows go on sharing
         past their blocks (`_share_tails`)."""
         if not self.shares_prefix:
-            # Without a prefix cache: the batch cache that takes row ranges. Not beside rows
-            # holding copies of blocks: one prefill can hold rows of two inserts, and mlx-lm
-            # merges their caches by one class.
-            if self._ranged and not self._copies:
-                return [[PrefixedCache(None, layer) for layer in range(self._layers)]
-                        for _ in seqs]
+            # The batch cache that takes row ranges, a row's cached blocks (--no-shared-prefix)
+            # copied into its own part. Every row gets one of one class: one prefill can hold
+            # rows of two inserts, and mlx-lm merges their caches by the first's class.
+            if self._ranged:
+                return [self._copied(b) for b in blocks]
             return [PrefixCache.to_kv_caches(b) if b else None for b in blocks]
         prefixes = [self._shared_prefix(b) if b else None for b in blocks]
         if SHARED_TAILS and any(prefixes):
             self._share_tails(seqs, blocks, prefixes, upcoming)
         return [[PrefixedCache(p, layer) for layer in range(self._layers)] for p in prefixes]
+
+    def _copied(self, blocks: list[Block]) -> list[CopiedCache]:
+        if not blocks:
+            return [CopiedCache(layer) for layer in range(self._layers)]
+        caches = PrefixCache.to_kv_caches(blocks, make=CopiedCache)
+        for layer, cache in enumerate(caches):
+            cache.layer = layer
+        return caches
 
     def _shared_prefix(self, blocks: list[Block]) -> SharedPrefix:
         key = (blocks[-1].key, len(blocks))

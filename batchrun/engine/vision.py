@@ -229,7 +229,7 @@ class VisionBackend:
             prefill_step_size=config.prefill_step_size,
             compute_logprobs=True, top_logprobs_k=MAX_TOP_LOGPROBS, greedy_sampling=True)
 
-    def share_prefixes(self, on: bool, copies: bool = False) -> bool:
+    def share_prefixes(self, on: bool) -> bool:
         return False
 
     def detokenizer(self) -> Any:
