@@ -278,6 +278,31 @@ def test_rows_sharing_a_cached_prefix_speculate_to_the_same_tokens(pair, tmp_pat
     assert engine.stats.speculation.accepted > 0
 
 
+def test_rows_holding_copies_of_cached_blocks_speculate_to_the_same_tokens(pair, tmp_path,
+                                                                            monkeypatch):
+    """--no-shared-prefix, with decode steps taking row ranges (the CUDA path, here through its
+    reference): the rolled-back guesses leave each row's copied blocks and own tokens intact."""
+    from batchrun.engine import decode_attention
+
+    system = "You answer questions about science in plain words. " * 12
+    prompts = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+               for q in QUESTIONS]
+    params = SamplingParams(max_tokens=40)
+    plain, _ = generate(pair, prompts, params)
+    monkeypatch.setattr(decode_attention, "EVERYWHERE", True)
+    cache = make_prefix_cache(pair.fingerprint, 1 << 30, tmp_path / "c", block_size=32,
+                              layout=block_layout(pair.model))
+    config = EngineConfig(max_concurrency=8, speculate="draft", draft_tokens=4,
+                          draft_model=str(DEMO_DRAFT_MODEL), shared_prefix=False)
+    engine = Engine(pair.model, pair.tokenizer, config, pair.context_length,
+                    prefix_cache=cache, model_fingerprint=pair.fingerprint)
+    engine.speculator.adaptive = False
+    spec = engine.generate(prompts, params)
+    assert not engine.scheduler.shares_prefix and engine.get_cache_stats()["hit_tokens"] > 0
+    assert tokens(spec) == tokens(plain) and engine.faults == 0
+    assert 0 < engine.stats.speculation.accepted < engine.stats.speculation.proposed
+
+
 def test_wide_batches_do_not_speculate(pair):
     # rows finishing together, more than speculate at once on this device (CPU or GPU): the
     # batch never narrows below the speculating width
