@@ -39,6 +39,7 @@ JOB_FILE_KEYS = ("input", "model", "output", "job_dir", "format", "max_concurren
                  "allow_private_urls", "media_timeout", "vision", "ray_address",
                  "ray_actors", "ray_num_cpus", "ray_num_gpus", "ray_slice_rows")
 ROWS_FAILED = 3  # exit code of --fail-on-row-errors when a row failed
+SIGNAL_EXITS = (130, 143)  # exit codes after Ctrl-C and SIGTERM
 STDIN = "-"  # as INPUT: JSONL rows on stdin; as -o: results on stdout
 FAST_EXIT_ENV = "BATCHRUN_FAST_EXIT"  # 0: the interpreter's full teardown at exit
 FAST_EXIT_WAIT_S = 1.0  # how long the exit waits for threads still ending
@@ -955,7 +956,7 @@ def main() -> None:
         _exiting_on_a_signal()
         sys.exit(130)
     except SystemExit as e:
-        if e.code in (130, 143):
+        if e.code in SIGNAL_EXITS:
             _exiting_on_a_signal()
         raise
 
@@ -967,7 +968,7 @@ def entry() -> None:
     try:
         main()
     except SystemExit as e:
-        if e.code not in (130, 143) and (e.code is None or type(e.code) is int):
+        if e.code not in SIGNAL_EXITS and (e.code is None or type(e.code) is int):
             _exit_now(e.code or 0)
         raise
 

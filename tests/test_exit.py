@@ -2,7 +2,6 @@
 the job folder and the prefix cache's blocks are all written; a thread still running keeps the
 normal exit."""
 
-import subprocess
 import sys
 import threading
 import time
@@ -11,6 +10,7 @@ import orjson
 import pytest
 
 from batchrun import cli as cli_module
+from tests.test_cli_contract import cli_process
 from tests.test_prefix_cache import entry_files, write_rows
 
 # batchrun's own entry point, with os._exit marked: the marker says the fast exit was taken.
@@ -27,10 +27,8 @@ runpy.run_module("batchrun", run_name="__main__")
 """
 
 
-def batchrun(*args, env=None):
-    done = subprocess.run([sys.executable, "-c", MARKED, *map(str, args)], capture_output=True,
-                          timeout=300, env=env)
-    return done.returncode, done.stdout, done.stderr.decode()
+def batchrun(*args):
+    return cli_process(*args, timeout=300, code=MARKED)
 
 
 def test_a_finished_run_exits_at_once_and_leaves_everything_written(tmp_path):
@@ -68,10 +66,10 @@ def test_an_exit_code_is_kept_and_a_usage_error_still_says_why(tmp_path):
     assert code == 2 and "input file not found" in err
 
 
-def test_the_normal_exit_on_request(tmp_path):
+def test_the_normal_exit_on_request(tmp_path, monkeypatch):
     rows = write_rows(tmp_path / "rows.jsonl", 2)
-    env = {**__import__("os").environ, "BATCHRUN_FAST_EXIT": "0"}
-    code, _, err = batchrun("run", rows, "--job-dir", tmp_path / "j", "--quiet", env=env)
+    monkeypatch.setenv("BATCHRUN_FAST_EXIT", "0")
+    code, _, err = batchrun("run", rows, "--job-dir", tmp_path / "j", "--quiet")
     assert code == 0, err
     assert "exiting at once" not in err
 

@@ -59,10 +59,10 @@ FILL_LINGER_S = 0.05  # an idle engine takes more rows while each comes within t
 PROGRESS_INTERVAL_S = 0.5
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 DONE_CACHE_SIZE = 4096  # recent outputs kept for identical rows further down the input
-# Threads that build rows. Tokenization keeps the GIL (engine/tokens.py's Encoder), so more
-# threads only contend for it with the job loop and the warm-up: warm 512-row labeling jobs on
-# two H200 hosts took 0.846-1.111 s (median 0.984) with one and 0.891-1.171 s (1.009) with
-# eight, nine interleaved pairs (BENCHMARKS.md): no gain from more.
+# Threads that build rows, text and image rows alike. Tokenization keeps the GIL
+# (engine/tokens.py's Encoder), so more threads only contend for it with the job loop and the
+# warm-up: warm 512-row labeling jobs on two H200 hosts took 0.846-1.111 s (median 0.984) with
+# one and 0.891-1.171 s (1.009) with eight, nine interleaved pairs (BENCHMARKS.md).
 BUILD_WORKERS = 1
 HASH_PIECE = 2032  # bytes hashlib hashes holding the GIL (it lets go from 2,048 on)
 
@@ -496,7 +496,7 @@ class JobRunner(RowWork):
         target = engine.max_concurrency + (engine.config.prefill_batch_size or 8)
         feeder = Feeder(self.pending_rows(progress.next_index), self._build_task,
                         lookahead=2 * target, check=self._check_row,
-                        workers=1 if engine.backend.accepts_images else BUILD_WORKERS)
+                        workers=BUILD_WORKERS)
         try:
             engine.warm_up()  # the feeder's threads build the first rows meanwhile
             while not self._interrupted:
