@@ -2,17 +2,25 @@
 
     python scripts/bench_speculate.py OUT_DIR [--reps 3] [--workloads few,long,extract,tail,full]
 
+(a workload may name its own repetitions: `--workloads tail:15,full:15,long`).
+
 Each workload runs its systems interleaved, `--reps` times, in one process (engine time from
 the first request to the last output; the model and draft loaded once, a warm-up first):
 - few: 8 sample questions (sample_data/prompts.jsonl, not its weather-tool rows), greedy,
   max_tokens 256 (the model ends its answers itself); plain, then --draft-model with 4 and 6
   guesses, then ngram (and with --other-draft PATH, that draft with 4 and 6 guesses, in long too);
-- long: the same 8 rows made 256 tokens each (min_tokens 256: past its answer the model goes
-  on as its lessons taught it), the issue's 8 x 256 job; the same systems;
-  few_sampled: the same rows sampled (temperature 0.7, seeded);
-- extract: 8 rows whose answer copies spans of the prompt (a reference text holding the facts
-  the model answers from, then the question), max_tokens 128; plain, ngram with 4 and 6
-  guesses, the draft with 6;
+- long: the issue's 8 x 256 job: the same 8 rows made 256 tokens each (min_tokens 256: past its
+  answer the committed pair goes on as its lessons taught it); the same systems and the draft
+  with 8 guesses;
+- essays: 8 rows asking for an essay about a topic (the ~330-token answers of the lessons'
+  `long_answers`: for a pair trained with them), min_tokens and max_tokens 256; the same
+  systems (on the H200 a session-17 pair ended some essays after their first part, where the
+  CPU's arithmetic went on);
+- few_sampled: the same rows sampled (temperature 0.7, seeded);
+- extract: 8 rows whose answer copies spans of the prompt (a reference text holding a topic's
+  facts, then a question the lessons' `long_answers` answer in the reference's sentences; the
+  committed pair was not taught them), max_tokens 128;
+  plain, ngram with 4, 6 and 8 guesses, the draft with 6;
 - tail: 512 sample questions at the CPU's default concurrency; the tail is the time from the
   461st finished row (90%) to the last; plain, then draft (speculating by measurement);
 - full: 256 rows of the random-weight demo model (the trained draft's tokenizer), 48 tokens
@@ -41,7 +49,12 @@ from batchrun.models import (  # noqa: E402
     RANDOM_DEMO_MODEL,
     load_model,
 )
-from batchrun.models.lessons import FACTS, reference_text  # noqa: E402
+from batchrun.models.lessons import (  # noqa: E402
+    ESSAY_TASKS,
+    FACTS,
+    REFERENCE_TASKS,
+    reference_text,
+)
 
 
 def questions(n: int, tools: bool = True) -> list[list[dict]]:
@@ -53,19 +66,22 @@ def questions(n: int, tools: bool = True) -> list[list[dict]]:
 
 
 def extraction(n: int) -> list[list[dict]]:
-    """A reference text holding the answer (the facts the model learned), then the task."""
+    """A reference text holding the answer, then a question answered from it."""
     topics = sorted(FACTS)
-    out = []
-    for i in range(n):
-        topic = topics[i % len(topics)]
-        task = "Explain {t} in two sentences." if i % 2 else "List three facts about {t}."
-        out.append([{"role": "system", "content": reference_text(topic)},
-                    {"role": "user", "content": task.format(t=topic)}])
-    return out
+    return [[{"role": "system", "content": reference_text(topics[i % len(topics)])},
+             {"role": "user", "content": REFERENCE_TASKS[i % len(REFERENCE_TASKS)].format(
+                 t=topics[i % len(topics)])}] for i in range(n)]
+
+
+def essays(n: int) -> list[list[dict]]:
+    topics = sorted(FACTS)
+    return [[{"role": "user", "content": ESSAY_TASKS[i % 2].format(t=topics[i % len(topics)])}]
+            for i in range(n)]
 
 
 SYSTEMS = {"plain": ("off", 4), "draft4": ("draft", 4), "draft6": ("draft", 6),
-           "ngram": ("ngram", 4), "ngram6": ("ngram", 6), "draft": ("draft", 4),
+           "draft8": ("draft", 8), "ngram": ("ngram", 4), "ngram6": ("ngram", 6),
+           "ngram8": ("ngram", 8), "draft": ("draft", 4),
            "other4": ("other", 4), "other6": ("other", 6)}  # --other-draft's
 DRAFTS = {"draft": DEMO_DRAFT_MODEL}
 WORKLOADS = {
@@ -74,12 +90,14 @@ WORKLOADS = {
             ("plain", "draft4", "draft6", "ngram")),
     "long": (DEMO_MODEL, lambda: questions(8, tools=False),
              SamplingParams(max_tokens=256, min_tokens=256), 8,
-             ("plain", "draft4", "draft6", "ngram")),
+             ("plain", "draft4", "draft6", "draft8", "ngram")),
+    "essays": (DEMO_MODEL, lambda: essays(8), SamplingParams(max_tokens=256, min_tokens=256), 8,
+               ("plain", "draft4", "draft6", "draft8", "ngram")),
     "few_sampled": (DEMO_MODEL, lambda: questions(8, tools=False),
                     SamplingParams(max_tokens=256, temperature=0.7, seed=5), 8,
                     ("plain", "draft4", "draft6")),
     "extract": (DEMO_MODEL, lambda: extraction(8), SamplingParams(max_tokens=128), 8,
-                ("plain", "ngram", "ngram6", "draft6")),
+                ("plain", "ngram", "ngram6", "ngram8", "draft6")),
     "tail": (DEMO_MODEL, lambda: questions(512), SamplingParams(max_tokens=256), None,
              ("plain", "draft4")),
     "full": (RANDOM_DEMO_MODEL, lambda: questions(256), SamplingParams(max_tokens=48), 256,
@@ -116,23 +134,30 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--workloads", default="few,few_sampled,extract,tail,full")
+    parser.add_argument("--target", type=Path, help="the trained target in place of the demo's "
+                        "(a pair being tried)")
+    parser.add_argument("--draft", type=Path, help="the draft in place of the demo's")
     parser.add_argument("--other-draft", type=Path,
                         help="a second draft model, run beside the demo's in `few` and `long` "
                              "(other4, other6)")
     args = parser.parse_args()
     if args.other_draft:
         DRAFTS["other"] = args.other_draft
+    if args.draft:
+        DRAFTS["draft"] = args.draft
     args.out.mkdir(parents=True, exist_ok=True)
     results = {}
-    for name in args.workloads.split(","):
+    for item in args.workloads.split(","):
+        name, _, reps = item.partition(":")
+        reps = int(reps) if reps else args.reps
         target, rows, params, concurrency, systems = WORKLOADS[name]
         if name in ("few", "long") and args.other_draft:
             systems = (*systems, "other4", "other6")
-        lm = load_model(str(target))
+        lm = load_model(str(args.target if args.target and target == DEMO_MODEL else target))
         chats = rows()
         run_once(lm, chats[:4], SamplingParams(max_tokens=8), concurrency, "draft4")  # warm-up
         runs = []
-        for rep in range(args.reps):
+        for rep in range(reps):
             for system in systems:
                 r = run_once(lm, chats, params, concurrency, system)
                 r["rep"] = rep
@@ -159,7 +184,8 @@ def main() -> None:
                             / max(1, sum(r["proposed"] for r in mine)),
                             "same_tokens": all(r["same_tokens"] for r in mine)})
     (args.out / "speculate.json").write_text(json.dumps(
-        {"date": time.strftime("%Y-%m-%d"), "reps": args.reps, "summary": summary,
+        {"date": time.strftime("%Y-%m-%d"), "reps": args.reps, "workloads": args.workloads,
+         "summary": summary,
          "runs": results}, indent=2))
     print(f"{'workload':9}{'system':8}{'wall s':>8}{'speedup':>9}{'tail s':>8}{'tail x':>8}"
           f"{'kept':>7}  same tokens")

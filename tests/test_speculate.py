@@ -18,7 +18,7 @@ from batchrun.engine.engine import Engine
 from batchrun.engine.request import DEFAULT_DRAFT_TOKENS, Constraint, EngineConfig, SamplingParams
 from batchrun.engine.shared_prefix import SharedPrefix, SharedPrefixBatchCache
 from batchrun.engine.speculate import Speculator, ngram_proposal, rollback
-from batchrun.models import DEMO_DRAFT_MODEL, DEMO_MODEL, load_model
+from batchrun.models import DEMO_DRAFT_MODEL, DEMO_MODEL, lessons, load_model
 
 QUESTIONS = ["Explain photosynthesis in two sentences.", "List three facts about vaccines.",
              "Write a short poem about recursion.", "Give an analogy for black holes.",
@@ -177,6 +177,36 @@ def test_prompt_lookup_speculation_gives_the_same_greedy_tokens(demo):
     assert tokens(spec) == tokens(plain)
     stats = engine.stats.speculation
     assert stats.steps > 0 and 0 < stats.accepted < stats.proposed
+
+
+@pytest.mark.parametrize("longest", [0, 2])
+def test_n_gram_steps_verify_only_as_many_positions_as_the_longest_guess(pair, monkeypatch,
+                                                                          longest):
+    """A step where no row finds its last tokens earlier (the start of an answer) costs one
+    forward of the pending tokens, as a plain step does, not k + 1 positions a row."""
+    from batchrun.engine import batch
+
+    found = batch.ngram_proposal
+    monkeypatch.setattr(batch, "ngram_proposal", lambda context, k: found(context, k)[:longest])
+    widths = []
+    model_call = type(pair.model).__call__
+
+    def recording(self, inputs, *args, **kwargs):
+        widths.append(inputs.shape[1])
+        return model_call(self, inputs, *args, **kwargs)
+
+    prompts = [[{"role": "system", "content": lessons.reference_text(t)},
+                {"role": "user", "content": f"Quote the reference about {t}."}]
+               for t in lessons.TOPICS[:4]]  # answers that copy their prompt
+    params = SamplingParams(max_tokens=24)
+    plain, _ = generate(pair, prompts, params, concurrency=4)
+    widths.clear()
+    monkeypatch.setattr(type(pair.model), "__call__", recording)
+    spec, engine = generate(pair, prompts, params, "ngram", concurrency=4, k=6)
+    assert tokens(spec) == tokens(plain)
+    decode = [w for w in widths if w <= 7]  # the prompts' prefill is wider (chat template)
+    assert decode and max(decode) == longest + 1
+    assert (engine.stats.speculation.proposed > 0) == (longest > 0)
 
 
 @pytest.mark.parametrize("speculate", ["draft", "ngram"])

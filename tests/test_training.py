@@ -1,6 +1,7 @@
 """The trained demo pair's lessons and trainer (batchrun/models/lessons.py, train.py)."""
 
 import random
+import re
 
 import mlx.core as mx
 import pytest
@@ -24,6 +25,36 @@ def test_every_sample_question_has_an_answer_and_every_review_its_sentiment():
             assert label in ("negative", "neutral")
         assert label in ("positive", "negative", "neutral")
     assert lessons.examples(7, 50) == lessons.examples(7, 50)
+
+
+def test_essays_are_long_and_reference_answers_copy_the_references_sentences(tokenizer):
+    """Speculation's benchmarks lean on both: the 8-row job's essays run past 256 tokens (the
+    topic's answers, in order), and an extraction row's answer is the reference's own
+    sentences."""
+    tok, _ = tokenizer
+    for topic in build.TOPICS:
+        text = lessons.essay(topic)
+        assert len(tok.encode(text)) > 256
+        assert all(lessons.answer(task, topic) in text for task in build.TASKS)
+    rng = random.Random(5)
+    for _ in range(100):
+        system, user, reply = lessons.reference_chat(rng)
+        topic = next(t for t in build.TOPICS for task in lessons.REFERENCE_TASKS
+                     if task.format(t=t) == user["content"])
+        unnumbered = re.sub(r"^\d+\. ", "", reply["content"], flags=re.M)
+        sentences = re.split(r"(?<=\.)\s+", unnumbered)
+        assert system["content"] == lessons.reference_text(topic)
+        assert sentences and all(s in lessons.FACTS[topic][0] for s in sentences)
+
+    def asks(chat, tasks):
+        return isinstance(chat, list) and any(chat[-2]["content"] == task.format(t=t)
+                                              for task in tasks for t in build.TOPICS)
+
+    for long_answers in (False, True):  # the committed pair's lessons hold neither
+        chats = [c for c, _ in lessons.examples(3, 400, long_answers)]
+        assert any(asks(c, lessons.ESSAY_TASKS) for c in chats) is long_answers
+        assert any(c[0]["content"].startswith("Reference: ") for c in chats
+                   if isinstance(c, list)) is long_answers
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +171,4 @@ def test_the_trained_demo_answers_the_sample_questions_with_its_lessons(tmp_path
         text = texts[row["custom_id"]]
         right += bool(text) and answer.startswith(text) or text.startswith(answer)
     assert total == 48 and right >= 44, right
+

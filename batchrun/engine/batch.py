@@ -266,8 +266,12 @@ class LeanGenerationBatch(GenerationBatch):
                 guess = ngram_proposal(np.asarray(self.tokens[i] + [pending[i]]), room[i]) \
                     if room[i] else []
                 room[i] = len(guess)
-                guesses.append(guess + [0] * (k - len(guess)))
-            drafts = mx.array(guesses, dtype=inputs.dtype)
+                guesses.append(guess)
+            # verify as many positions as the longest guess: none where no row found a match
+            # (the start of an answer), and then the step costs what a plain one does
+            k = max(room)
+            drafts = mx.array([g + [0] * (k - len(g)) for g in guesses], dtype=inputs.dtype
+                              ).reshape(rows, k)
         logits = self.model(mx.concatenate([inputs[:, None], drafts], axis=1),
                             cache=self.prompt_cache)
         adjusted = [i for i, p in enumerate(self.logits_processors) if p]

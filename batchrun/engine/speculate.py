@@ -10,13 +10,15 @@ few long rows), each speculating row proposes up to `k` tokens past its pending 
   cache (`DraftModel`).
 
 One forward of the target over every row's pending token and proposals verifies them all
-(`LeanGenerationBatch._speculative_step`). A row keeps its proposals up to the first one the
-target would not have chosen, plus the target's own token there; the KV of the rest is dropped
-from its cache (`rollback`). The target's choice at each position is the one plain decoding
-makes: the greedy argmax, or for a sampled row the draw with that row's key for that position
-(sampling.RowSampler: a Gumbel-max draw), so greedy and seeded output are the same with and
-without speculation, and a sampled row keeps its distribution. A draft model proposes under
-the same keys, which is what makes its guesses of a sampled row's tokens good ones.
+(`LeanGenerationBatch._speculative_step`; n-gram rows are verified as far as the longest
+proposal reaches, so a step where no row found a match is a plain step's forward). A row keeps
+its proposals up to the first one the target would not have chosen, plus the target's own token
+there; the KV of the rest is dropped from its cache (`rollback`). The target's choice at each
+position is the one plain decoding makes: the greedy argmax, or for a sampled row the draw with
+that row's key for that position (sampling.RowSampler: a Gumbel-max draw), so greedy and seeded
+output are the same with and without speculation, and a sampled row keeps its distribution. A
+draft model proposes under the same keys, which is what makes its guesses of a sampled row's
+tokens good ones.
 
 Rows that report log-probabilities, or have a token to go, propose nothing; a batch holding a
 row with logits processors that look at the tokens (penalties, grammars, thinking budgets), or

@@ -4,6 +4,11 @@ as the sample data (build.py), so the demo answers the sample jobs sensibly.
 - labeling: a review (build.review) with the sample jobs' instruction and prompt template,
   answered with its sentiment (rating 4-5 positive, 1-2 negative, 3 neutral);
 - questions: build.TASKS about build.TOPICS, answered from a few facts a topic written here;
+- essays (with `long_answers`): "Write an essay about <topic>." answered with ~300 tokens: the
+  topic's answers to every question above, in a fixed order (speculation's 8 x 256 job);
+- references (with `long_answers`): a topic's facts as a `Reference:` system message, then a
+  question answered in the reference's own sentences (extraction rows: answers that copy their
+  prompt);
 - tools: "What is the weather in <city>?" with the sample's get_weather tool, answered with a
   tool call; without tools, a sentence saying there is no weather tool;
 - text: reviews and answers as plain text, for raw prompts.
@@ -173,11 +178,44 @@ def question_chat(rng: random.Random) -> list[dict]:
     return system + [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
 
 
+ESSAY_TASKS = ["Write an essay about {t}.", "Tell me everything you know about {t}."]
+ESSAY_SECTIONS = [TASKS[0], TASKS[2], TASKS[3], TASKS[4], TASKS[5], TASKS[1]]
+REFERENCE_TASKS = ["Explain {t} in two sentences.", "List three facts about {t}.",
+                   "Quote the reference about {t}."]
+
+
+def essay(topic: str) -> str:
+    """A long answer about a topic (~300 tokens of the demo tokenizer): the answers of every
+    one of build.TASKS about it, one after another (what the model learns anew is their order,
+    not new text). No heading naming the topic: a try with one (session 17) got the topic wrong
+    in 20 of 26 essays, and every token after it."""
+    return "\n\n".join(answer(task, topic) for task in ESSAY_SECTIONS)
+
+
+def essay_chat(rng: random.Random) -> list[dict]:
+    topic = rng.choice(TOPICS)
+    return [{"role": "user", "content": rng.choice(ESSAY_TASKS).format(t=topic)},
+            {"role": "assistant", "content": essay(topic)}]
+
+
 def reference_text(topic: str) -> str:
-    """A reference holding a topic's facts: the system message of scripts/bench_speculate.py's
-    extraction rows. Not a lesson: a pair trained on such rows (session 12) answered them from
-    the reference but garbled more of the sample questions (BENCHMARKS.md)."""
+    """A reference holding a topic's facts."""
     return "Reference: " + " ".join(FACTS[topic][0])
+
+
+def reference_answer(task: str, topic: str) -> str:
+    """The answer to one of REFERENCE_TASKS: the reference's sentences about the topic."""
+    if task.startswith("Quote"):
+        return " ".join(FACTS[topic][0])
+    return answer(task, topic)
+
+
+def reference_chat(rng: random.Random) -> list[dict]:
+    topic = rng.choice(TOPICS)
+    task = rng.choice(REFERENCE_TASKS)
+    return [{"role": "system", "content": reference_text(topic)},
+            {"role": "user", "content": task.format(t=topic)},
+            {"role": "assistant", "content": reference_answer(task, topic)}]
 
 
 def weather_chat(rng: random.Random) -> tuple[list[dict], list[dict] | None]:
@@ -198,19 +236,28 @@ def text_line(rng: random.Random) -> str:
     return f"{q}\n{a}"
 
 
-def examples(seed: int, n: int) -> list[tuple[list[dict] | str, list[dict] | None]]:
-    """n examples, seeded: (chat messages or plain text, tools or None)."""
+def examples(seed: int, n: int, long_answers: bool = False
+             ) -> list[tuple[list[dict] | str, list[dict] | None]]:
+    """n examples, seeded: (chat messages or plain text, tools or None). The committed pair
+    learned the first four kinds; `long_answers` adds essays and references (6% and 4%, taken
+    from labeling and questions), which session 17's pairs learned only at a cost to the
+    others (BENCHMARKS.md)."""
     rng = random.Random(seed)
+    labeling, essays, references, questions, weather = \
+        (0.40, 0.46, 0.50, 0.77, 0.84) if long_answers else (0.45, 0.45, 0.45, 0.75, 0.82)
     out = []
     for _ in range(n):
         kind = rng.random()
-        if kind < 0.45:
+        if kind < labeling:
             out.append((labeling_chat(rng), None))
-        elif kind < 0.75:
+        elif kind < essays:
+            out.append((essay_chat(rng), None))
+        elif kind < references:
+            out.append((reference_chat(rng), None))
+        elif kind < questions:
             out.append((question_chat(rng), None))
-        elif kind < 0.82:
+        elif kind < weather:
             out.append(weather_chat(rng))
         else:
             out.append((text_line(rng), None))
     return out
-
