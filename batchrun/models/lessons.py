@@ -180,8 +180,7 @@ def question_chat(rng: random.Random) -> list[dict]:
 
 ESSAY_TASKS = ["Write an essay about {t}.", "Tell me everything you know about {t}."]
 ESSAY_SECTIONS = [TASKS[0], TASKS[2], TASKS[3], TASKS[4], TASKS[5], TASKS[1]]
-REFERENCE_TASKS = ["Explain {t} in two sentences.", "List three facts about {t}.",
-                   "Quote the reference about {t}."]
+REFERENCE_TASKS = [TASKS[0], TASKS[2], "Quote the reference about {t}."]  # Explain, List, Quote
 
 
 def essay(topic: str) -> str:

@@ -1,11 +1,12 @@
 """Train the demo model pair on this CPU: a small Llama-shaped target and a smaller draft that
 shares its tokenizer, both from lessons.py (labeling the sample reviews, answering the sample
-questions, essays, answers from a reference, calling the sample weather tool, plain text).
-Deterministic from the seed on one machine (the same data order, initialization and fp32
-arithmetic).
+questions, calling the sample weather tool, plain text; with --long-answers also essays and
+answers from a reference). Deterministic from the seed on one machine (the same data order,
+initialization and fp32 arithmetic).
 
     python -m batchrun.models.train sample_data/demo-trained sample_data/demo-draft
-        [--steps N] [--draft-steps N] [--seed S]
+        [--steps N] [--draft-steps N] [--seed S] [--long-answers]
+        [--more-steps N [--more-lr LR]]
 
 Each folder is a complete mlx-lm model (the demo tokenizer and chat template of build.py). The
 labeling accuracy on held-out reviews is printed and written to the target's config.json
@@ -70,8 +71,9 @@ def batches(data: list, steps: int, seed: int):
     """`steps` batches of BATCH examples, padded (mask 0) to a multiple of LENGTH_STEP. Examples
     are grouped by length (GROUPS: a long essay does not pad 15 short chats), each batch's group
     drawn in proportion to the examples it holds. The short lessons of every kind mix in one
-    group, as every lesson did before the essays: two tries with finer groups (session 17,
-    BENCHMARKS.md) left the target labeling 82-88% of held-out reviews."""
+    group, as every lesson did before the essays: the two tries with finer groups (session 17,
+    with other lessons too, so not the groups' doing alone; BENCHMARKS.md) labeled 82-88% of
+    held-out reviews."""
     rng = random.Random(seed)
     bounds = zip((0, *GROUPS[:-1]), GROUPS, strict=True)
     groups = [g for g in ([ex for ex in data if low < len(ex[0]) <= high]
