@@ -2,7 +2,7 @@
 its essays), plain and with n-gram guesses (or the draft) forced on at every step, timed per
 engine step and profiled (cProfile, host time: waits on the device show as mx.eval / tolist).
 
-    python scripts/probe_spec_profile.py [extract|long] [ngram|draft] [K]
+    python scripts/probe_spec_profile.py [extract|long|few] [ngram|draft] [K]
 """
 
 import cProfile
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_speculate import essays, extraction  # noqa: E402
+from bench_speculate import essays, extraction, questions  # noqa: E402
 
 import batchrun  # noqa: E402, F401  (BLAS routing before MLX)
 from batchrun.engine.engine import Engine  # noqa: E402
@@ -49,7 +49,8 @@ def main() -> None:
     method = sys.argv[2] if len(sys.argv) > 2 else "ngram"
     k = int(sys.argv[3]) if len(sys.argv) > 3 else 8
     lm = load_model(str(DEMO_MODEL))
-    chats = extraction(8) if workload == "extract" else essays(8)
+    chats = {"extract": extraction, "long": essays,
+             "few": lambda n: questions(n, tools=False)}[workload](8)
     params = SamplingParams(max_tokens=128 if workload == "extract" else 256)
     run(lm, chats, params, method, k)  # warm-up
     for name, m in (("plain", "off"), (method, method), ("plain", "off"), (method, method)):
@@ -60,7 +61,8 @@ def main() -> None:
         profile = cProfile.Profile()
         run(lm, chats, params, m, k, profile)
         print(f"--- profile: {m}")
-        pstats.Stats(profile).sort_stats("tottime").print_stats(18)
+        pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(30)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import choice_logprob, jsonl, run, write_rows
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from batchrun.cache import block_layout, make_prefix_cache
 from batchrun.engine import speculate
@@ -147,9 +147,55 @@ def test_the_draft_evaluates_whatever_work_it_says_it_did(monkeypatch):
         evaluated.clear()
         assert draft.sync(uids, contexts) is True
         assert evaluated, uids  # evaluated before returning
-        assert draft.seen == [len(c) for c in contexts]
+        assert draft.seen == [len(c) - 1 for c in contexts]  # the last one comes with a step
     evaluated.clear()
     assert draft.sync([2, 3], contexts) is False and not evaluated  # nothing to do
+
+
+def test_the_drafts_guesses_are_what_it_guesses_for_each_rows_whole_context():
+    """The draft's batch cache follows each row through steps that keep different numbers of
+    its guesses, plain steps it missed, rows leaving and joining: every step's guesses are the
+    ones the draft makes for the row's context from scratch, alone."""
+    draft_lm = load_model(str(DEMO_DRAFT_MODEL))
+    model, k = draft_lm.model, 4
+    draft = speculate.DraftModel(model)
+    rng = np.random.default_rng(3)
+
+    def alone(context: list[int], pending: int) -> list[int]:
+        cache = make_prompt_cache(model)
+        logits = model(mx.array([context + [pending]]), cache=cache)[:, -1]
+        out = []
+        for _ in range(k):
+            out.append(int(mx.argmax(logits, axis=-1).item()))
+            logits = model(mx.array([[out[-1]]]), cache=cache)[:, -1]
+        return out
+
+    def greedy(logprobs, j):
+        return mx.argmax(logprobs, axis=-1)
+
+    prompts = [draft_lm.tokenizer.apply_chat_template(c, add_generation_prompt=True)
+               for c in chats(QUESTIONS[:5])]
+    rows = {uid: list(p) for uid, p in enumerate(prompts)}  # uid: the target cache's tokens
+    pending = {uid: int(rng.integers(5, 200)) for uid in rows}
+    live = [0, 1, 2]
+    for step in range(8):
+        if step == 3:  # a plain step the draft did not see
+            for uid in live:
+                rows[uid].append(pending[uid])
+                pending[uid] = int(rng.integers(5, 200))
+        if step == 4:
+            live = [0, 2, 3, 4]  # row 1 left, rows 3 and 4 joined
+        draft.sync(live, [rows[u] for u in live])
+        guesses = draft.propose([rows[u][-1] for u in live],
+                                mx.array([pending[u] for u in live]), k, greedy).tolist()
+        for uid, guess in zip(live, guesses, strict=True):
+            assert guess == alone(rows[uid], pending[uid]), (step, uid)
+        kept = [int(rng.integers(0, k + 1)) for _ in live]
+        for uid, guess, n in zip(live, guesses, kept, strict=True):
+            rows[uid] += [pending[uid], *guess[:n]]
+            pending[uid] = int(rng.integers(5, 200))
+        draft.rollback([k - n for n in kept])
+        assert draft.seen == [len(rows[u]) - 1 for u in live]
 
 
 @pytest.mark.parametrize("concurrency", [1, 8])

@@ -189,7 +189,7 @@ class LeanGenerationBatch(GenerationBatch):
         speculating = spec is not None and spec.wants(
             rows, self.prompt_cache,
             allowed=lambda: all(map(_by_position, self.logits_processors))
-            and any(self._room(1)))
+            and any(self._room(1)) and min(map(len, self.tokens)) > 1)
         one_time_s = 0.0
         if speculating:
             emitted, logprobs, one_time_s = self._speculative_step(spec)
@@ -259,7 +259,7 @@ class LeanGenerationBatch(GenerationBatch):
             start = time.perf_counter()
             if spec.draft.sync(self.uids, self.tokens):
                 one_time_s = time.perf_counter() - start
-            drafts = spec.draft.propose(inputs, k, choose)
+            drafts = spec.draft.propose([t[-1] for t in self.tokens], inputs, k, choose)
         else:
             guesses = []
             for i in range(rows):
@@ -303,7 +303,10 @@ class LeanGenerationBatch(GenerationBatch):
         self._next_tokens = mx.array([chosen[i][n] for i, n in enumerate(kept)],
                                      dtype=inputs.dtype)
         self._next_logprobs = logprobs[mx.arange(rows), mx.array(kept)]
-        mx.async_eval(self._next_tokens, self._next_logprobs)
+        # the rollback's moves too: the device makes them while the host hands out the tokens
+        caches = self.prompt_cache + (spec.draft.caches if spec.method == "draft" else [])
+        mx.async_eval(self._next_tokens, self._next_logprobs,
+                      [(c.keys, c.values) for c in caches])
         spec.record(sum(room), sum(kept))
         return emitted, current, one_time_s
 

@@ -130,23 +130,29 @@ class DraftModel:
     """A small model proposing tokens for the rows of a batch, on a batch cache of its own that
     follows the batch's rows (by uid): rows that left are filtered out, rows that joined are
     prefilled from the tokens in the target's cache, and rows that decoded without it (steps
-    that did not speculate) catch up on the tokens they missed."""
+    that did not speculate) catch up on the tokens they missed.
+
+    The cache holds a row's tokens in the target's cache but the last (`seen`): a step's first
+    forward takes that token and the pending one, so k proposals cost k forwards, and after
+    the verification each row drops what the target's cache drops (the proposals it did not
+    keep; its last kept token is the next step's first)."""
 
     def __init__(self, model, prefill_step: int = 512):
         self.model = model
         self.prefill_step = prefill_step
         self.caches: list[BatchKVCache] | None = None
         self.uids: list[int] = []
-        self.seen: list[int] = []  # tokens each row's cache holds
+        self.seen: list[int] = []  # tokens each row's cache holds: its context's but the last
         caches = make_prompt_cache(model)
         self.usable = all(type(c) is KVCache for c in caches)
         self._layers = len(caches)
 
     def sync(self, uids: list[int], contexts: list[list[int]]) -> bool:
-        """Make the cache's rows the batch's `uids` (in order), each holding `contexts[i]`:
-        the tokens in the target's cache for row i. Whether the draft computed anything for it
-        (rows prefilled, or fed the tokens of steps that did not speculate: a one-time cost,
-        not the speculating step's; evaluated here, so the caller can time it apart)."""
+        """Make the cache's rows the batch's `uids` (in order), each holding `contexts[i]`
+        (the tokens in the target's cache for row i, at least 2) but its last token. Whether
+        the draft computed anything for it (rows prefilled, or fed the tokens of steps that did
+        not speculate: a one-time cost, not the speculating step's; evaluated here, so the
+        caller can time it apart)."""
         now = set(uids)
         keep = [i for i, u in enumerate(self.uids) if u in now]
         if len(keep) < len(self.uids):
@@ -171,7 +177,7 @@ class DraftModel:
                 for mine, theirs in zip(self.caches, caches, strict=True):
                     mine.extend(theirs)
             self.uids = self.uids + [uids[i] for i in new]
-            self.seen = self.seen + [len(contexts[i]) for i in new]
+            self.seen = self.seen + [len(contexts[i]) - 1 for i in new]
         if worked or new:
             mx.eval([c.state for c in self.caches])
         return worked or bool(new)
@@ -180,23 +186,25 @@ class DraftModel:
         """Feed the rows the tokens their target cache gained without the draft (the same
         number for every row: the steps that did not speculate), or rebuild the rows' cache;
         whether there was anything to do."""
-        behind = {len(c) - n for c, n in zip(contexts, self.seen, strict=True)}
+        behind = {len(c) - 1 - n for c, n in zip(contexts, self.seen, strict=True)}
         if behind == {0}:
             return False
         if len(behind) == 1 and min(behind) > 0:
             m = behind.pop()
-            tokens = mx.array([c[-m:] for c in contexts])
+            tokens = mx.array([c[-m - 1: -1] for c in contexts])
             for start in range(0, m, self.prefill_step):
                 self.model(tokens[:, start: start + self.prefill_step], cache=self.caches)
-            self.seen = [len(c) for c in contexts]
+            self.seen = [len(c) - 1 for c in contexts]
             return True
         uids = self.uids
         self.reset()
         self.caches = self._prefill(contexts)
-        self.uids, self.seen = list(uids), [len(c) for c in contexts]
+        self.uids, self.seen = list(uids), [len(c) - 1 for c in contexts]
         return True
 
     def _prefill(self, contexts: list[list[int]]) -> list[BatchKVCache]:
+        """A batch cache of the contexts but their last tokens."""
+        contexts = [c[:-1] for c in contexts]
         longest = max(map(len, contexts))
         padding = [longest - len(c) for c in contexts]
         tokens = mx.array([[0] * p + c for p, c in zip(padding, contexts, strict=True)])
@@ -206,17 +214,21 @@ class DraftModel:
             mx.eval([c.state for c in caches])
         return caches
 
-    def propose(self, pending: mx.array, k: int, pick) -> mx.array:
+    def propose(self, last: list[int], pending: mx.array, k: int, pick) -> mx.array:
         """(rows, k) proposals after each row's `pending` token: the draft's choice at each
-        position (`pick(logprobs, j)` for the j-th proposal), fed back in turn. The last one is
-        fed too, so the cache then holds the same tokens as the target's after verification."""
-        x, out = pending, []
-        for j in range(k + 1):
-            logits = self.model(x[:, None], cache=self.caches)[:, -1, :].astype(mx.float32)
-            if j == k:
-                break
-            x = pick(logits - mx.logsumexp(logits, axis=-1, keepdims=True), j)
-            out.append(x)
+        position (`pick(logprobs, j)` for the j-th proposal), fed back in turn, the first
+        forward taking each row's `last` token in the target's cache (the one this cache lacks)
+        and its pending one. Each forward starts on the device as soon as it is built, so the
+        host builds the next one (and then the verification) while the device runs it."""
+        x = mx.concatenate([mx.array(last, dtype=pending.dtype)[:, None], pending[:, None]],
+                           axis=1)
+        out = []
+        for j in range(k):
+            logits = self.model(x, cache=self.caches)[:, -1, :].astype(mx.float32)
+            token = pick(logits - mx.logsumexp(logits, axis=-1, keepdims=True), j)
+            mx.async_eval(token)
+            out.append(token)
+            x = token[:, None]
         self.seen = [n + k + 1 for n in self.seen]
         return mx.stack(out, axis=1)
 
