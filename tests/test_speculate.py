@@ -43,7 +43,9 @@ def generate(lm, prompts, params, speculate="off", concurrency=8, k=4, prefix_ca
                     model_fingerprint=lm.fingerprint)
     if engine.speculator is not None:
         engine.speculator.adaptive = adaptive
-    return engine.generate(prompts, params), engine
+    outs = engine.generate(prompts, params)
+    assert engine.faults == 0  # no step failed (the engine would retry its rows)
+    return outs, engine
 
 
 def tokens(outs):
@@ -277,6 +279,7 @@ def run_rows(lm, prompts, params: list, speculate="off", k=DEFAULT_DRAFT_TOKENS)
         engine.speculator.adaptive = False
     ids = [engine.add_request(messages=c, params=p) for c, p in zip(prompts, params, strict=True)]
     outs = {o.request_id: o for o in engine.run()}
+    assert engine.faults == 0
     return [outs[i] for i in ids], engine
 
 
@@ -291,6 +294,65 @@ def test_stops_and_limits_inside_kept_guesses_end_the_row_there(pair):
                     pair, prompts, params, method)[0]] for method in ("off", "draft")}
         assert outs["draft"] == outs["off"]
     assert any(reason == "stop" for _, reason in outs["draft"])
+
+
+@pytest.mark.parametrize("speculate_with", ["draft", "ngram"])
+def test_rows_joining_or_leaving_while_a_verification_runs_ahead_keep_their_tokens(
+        pair, monkeypatch, speculate_with):
+    """A speculative step starts the next one's verification before it returns; rows that
+    join the batch, leave it (aborted) or are read in between undo it first, and every row's
+    tokens stay plain decoding's."""
+    from batchrun.engine.batch import LeanGenerationBatch
+
+    undone, finished = [], []
+    cancel, finish = LeanGenerationBatch._cancel_ahead, LeanGenerationBatch._finish
+
+    def counting_cancel(self):
+        undone.append(self._ahead is not None)
+        return cancel(self)
+
+    def counting_finish(self, spec, v):
+        finished.append(v is not None)
+        return finish(self, spec, v)
+
+    prompts = ([[{"role": "system", "content": lessons.reference_text(t)},
+                 {"role": "user", "content": f"Quote the reference about {t}."}]
+                for t in lessons.TOPICS[:3]] + chats()[:5])
+    params = [SamplingParams(max_tokens=10 + 7 * i) for i in range(len(prompts))]
+
+    def run(method, abort):
+        config = EngineConfig(max_concurrency=3, speculate=method, draft_tokens=4,
+                              draft_model=str(DEMO_DRAFT_MODEL) if method == "draft" else None)
+        engine = Engine(pair.model, pair.tokenizer, config, pair.context_length)
+        if engine.speculator is not None:
+            engine.speculator.adaptive = False
+        ids = [engine.add_request(messages=c, params=p) for c, p in zip(prompts, params,
+                                                                          strict=True)]
+        outs, last = {}, None
+        for step in range(10_000):
+            if step == 6 and abort:  # a row leaves; one waiting joins
+                assert engine.abort(ids[1])
+            if abort and last is None and engine.num_waiting == 0 and engine.num_running > 1:
+                last = step + 2
+            if step == last:  # a row leaves; none joins
+                assert engine.abort(ids[-1])
+            for o in engine.step():
+                outs[o.request_id] = o.token_ids
+            if not engine.has_work():
+                break
+        assert engine.faults == 0  # no step failed (the engine would retry its rows)
+        return [outs[i] for i in ids]
+
+    plain = run("off", abort=False)
+    monkeypatch.setattr(LeanGenerationBatch, "_cancel_ahead", counting_cancel)
+    monkeypatch.setattr(LeanGenerationBatch, "_finish", counting_finish)
+    spec = run(speculate_with, abort=True)
+    for aborted in (1, -1):
+        assert spec[aborted] == plain[aborted][: len(spec[aborted])]
+        assert len(spec[aborted]) < len(plain[aborted])
+    assert spec[:1] + spec[2:-1] == plain[:1] + plain[2:-1]
+    assert any(undone)  # verifications started ahead were undone (rows joined, one left) ...
+    assert len(finished) > sum(undone)  # ... and others finished
 
 
 def test_rows_reporting_logprobs_keep_them_exact_beside_speculating_rows(pair):
@@ -443,20 +505,27 @@ def test_a_probe_replaces_what_its_kind_measured_long_ago(monkeypatch):
     assert all(cheap[probe:])  # speculating from the probe on
 
 
-def test_a_step_sharing_its_time_with_a_prefill_is_not_measured(monkeypatch):
+@pytest.mark.parametrize("decided_at_the_end", [False, True])
+def test_a_step_sharing_its_time_with_a_prefill_is_not_measured(monkeypatch, decided_at_the_end):
     """Rows admitted between two steps (their caches built, their prompts prefilled) take time
     the step before did not: that step is not measured, so a speculating batch that keeps
-    taking rows goes on speculating where it is cheaper, and the backend says so."""
+    taking rows goes on speculating where it is cheaper, and the backend says so. When a step
+    decides the next one at its end (a speculative step starting the next verification), the
+    prefill falls in the next step's time, and that one is not measured."""
     clock = [0.0]
     monkeypatch.setattr(speculate.time, "perf_counter", lambda: clock[0])
     spec = Speculator("ngram", k=4, verify_tokens=40)
     cache = [BatchKVCache([0, 0])]
     choices = []
+    speculating = spec.wants(2, cache)
     for i in range(3 * speculate.PROBE_EVERY):
-        speculating = spec.wants(2, cache)
+        if i and not decided_at_the_end:
+            speculating = spec.wants(2, cache)
         choices.append(speculating)
         clock[0] += 4 * (0.5 if speculating else 1.0)
         spec.step(speculating, 2, 4)
+        if decided_at_the_end:
+            speculating = spec.wants(2, cache)
         if i % 3 == 2:  # a prefill: 100 s that belong to no step
             clock[0] += 100.0
             spec.discard()

@@ -20,6 +20,7 @@ one forward and hands out every token a row keeps.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -45,9 +46,29 @@ def _by_position(processors: list) -> bool:
                               and processors[0].by_position)
 
 
+@dataclass
+class _Verification:
+    """A speculative step's forward, started on the device: what finishing it needs."""
+    uids: list[int]  # the batch's rows when it started
+    width: int  # the positions it added to each row's cache (and to the draft's)
+    pending: list[int]
+    current: mx.array  # the pending tokens' log-probabilities
+    room: list[int]  # the proposals each row made
+    drafts: mx.array  # (rows, width - 1)
+    choices: mx.array  # (rows, width): the model's token at each position
+    logprobs: mx.array  # (rows, width, vocab)
+    adjusted: list[int]  # rows whose logit adjustments were applied at each position
+    one_time_s: float
+    dtype: mx.Dtype  # the tokens'
+
+
 class LeanGenerationBatch(GenerationBatch):
     logprob_uids: set[int]  # rows whose Response carries their log-probabilities
     speculator: Speculator | None = None  # speculative decoding where the batch is narrow
+    # The next step, started at the end of a speculative one (the device verifies it while the
+    # host hands out this step's tokens), or decided not to speculate; for these rows.
+    _ahead: _Verification | None = None
+    _decided: list[int] | None = None
 
     @classmethod
     def empty(cls, model, fallback_sampler, logprob_uids: set[int] | None = None):
@@ -82,6 +103,7 @@ class LeanGenerationBatch(GenerationBatch):
 
     def extend(self, batch: GenerationBatch) -> None:
         """Append a freshly prefilled batch (mlx-lm's own class) to this one."""
+        self._cancel_ahead()
         self.uids.extend(batch.uids)
         self.prompt_cache = _extend_cache(self.prompt_cache, batch.prompt_cache)
         self.tokens.extend(batch.tokens)
@@ -101,6 +123,7 @@ class LeanGenerationBatch(GenerationBatch):
 
     def filter(self, keep: list[int]) -> None:
         """Keep only the rows at the `keep` positions."""
+        self._cancel_ahead()
         for name in ("uids", "tokens", "samplers", "logits_processors", "max_tokens",
                      "stop_sequences", "_token_context", "_num_tokens", "_matchers"):
             values = getattr(self, name)
@@ -181,18 +204,42 @@ class LeanGenerationBatch(GenerationBatch):
         inverse = sorted(range(len(order)), key=order.__getitem__)
         return mx.concatenate(parts)[mx.array(inverse)]
 
+    def extract_cache(self, idx: int) -> list:
+        self._cancel_ahead()
+        return super().extract_cache(idx)
+
+    def _cancel_ahead(self) -> None:
+        """Undo a verification started ahead (rows are about to join, leave or be read): its
+        positions leave every row's cache and the draft's."""
+        ahead, self._ahead, self._decided = self._ahead, None, None
+        if ahead is None:
+            return
+        for c in self.prompt_cache:
+            c.trim(ahead.width)
+        if self.speculator.method == "draft":
+            self.speculator.draft.rollback([ahead.width] * len(ahead.uids))
+
+    def _wants(self, spec: Speculator) -> bool:
+        return spec.wants(len(self.uids), self.prompt_cache,
+                          allowed=lambda: all(map(_by_position, self.logits_processors))
+                          and any(self._room(1)) and min(map(len, self.tokens)) > 1)
+
     def next(self) -> list[GenerationBatch.Response]:
         if not self.uids:
             return []
         spec = self.speculator
         rows = len(self.uids)
-        speculating = spec is not None and spec.wants(
-            rows, self.prompt_cache,
-            allowed=lambda: all(map(_by_position, self.logits_processors))
-            and any(self._room(1)) and min(map(len, self.tokens)) > 1)
+        ahead, decided = self._ahead, self._decided
+        self._ahead = self._decided = None
+        if ahead is not None:  # rows joining, leaving or read since would have undone it
+            speculating = True
+        elif decided is not None:
+            speculating = False
+        else:
+            speculating = spec is not None and self._wants(spec)
         one_time_s = 0.0
         if speculating:
-            emitted, logprobs, one_time_s = self._speculative_step(spec)
+            emitted, logprobs, one_time_s = self._finish(spec, ahead or self._verify(spec))
         else:
             tokens, logprobs = self._step()
             emitted = [[t] for t in tokens]
@@ -219,6 +266,11 @@ class LeanGenerationBatch(GenerationBatch):
                 keep.append(i)
         if len(keep) < len(self.uids):
             self.filter(keep)
+        if speculating and self.uids:  # decide the next step now; start it if it speculates
+            if self._wants(spec):
+                self._ahead = self._verify(spec)
+            else:
+                self._decided = list(self.uids)
         return responses
 
     def _room(self, k: int) -> list[int]:
@@ -228,32 +280,15 @@ class LeanGenerationBatch(GenerationBatch):
                 max(0, min(k, self.max_tokens[i] - self._num_tokens[i] - 1))
                 for i, uid in enumerate(self.uids)]
 
-    def _speculative_step(self, spec: Speculator) -> tuple[list[list[int]], mx.array, float]:
-        """Each row's pending token, then its proposals verified in one forward of the model;
-        (each row's tokens this step: the pending one and the proposals it keeps, the pending
-        tokens' log-probabilities, the seconds it spent bringing the draft's cache up to the
-        batch: not the step's own cost). The token the model chose after the last kept
-        proposal is the row's next pending one, and the KV of the proposals it did not keep is
-        dropped."""
+    def _verify(self, spec: Speculator) -> _Verification:
+        """Start a speculative step on the device: each row's pending token, then its
+        proposals, in one forward of the model (and, for a draft, the draft's forwards that
+        propose them), each position's choice of the model computed."""
         inputs, current = self._next_tokens, _matrix(self._next_logprobs)
-        mx.eval(inputs, current)
         pending = inputs.tolist()
         rows, k = len(self.uids), spec.k
-        samplers = [s or self.fallback_sampler for s in self.samplers]
-        sampled = [i for i, s in enumerate(samplers) if s is not greedy]
         room = self._room(k)
-
-        def choose(logprobs: mx.array, offset: int) -> mx.array:
-            """The model's (or the draft's) token at each row's position `offset` past its
-            pending one: the argmax, or a sampled row's pick under that position's noise."""
-            out = mx.argmax(logprobs, axis=-1)
-            if sampled:
-                index = mx.array(sampled)
-                out[index] = mx.concatenate([samplers[i].at(logprobs[i: i + 1],
-                                                            [samplers[i].position + offset])
-                                             for i in sampled])
-            return out
-
+        choose = self._chooser()
         one_time_s = 0.0
         if spec.method == "draft":
             start = time.perf_counter()
@@ -281,8 +316,35 @@ class LeanGenerationBatch(GenerationBatch):
                                       for i in adjusted]).astype(logits.dtype)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (rows, k + 1, V)
         choices = mx.stack([choose(logprobs[:, j], j) for j in range(k + 1)], axis=1)
-        mx.eval(choices, drafts)
-        chosen, proposed = choices.tolist(), drafts.tolist()
+        mx.async_eval(choices, drafts)
+        return _Verification(list(self.uids), k + 1, pending, current, room, drafts, choices,
+                             logprobs, adjusted, one_time_s, inputs.dtype)
+
+    def _chooser(self):
+        samplers = [s or self.fallback_sampler for s in self.samplers]
+        sampled = [i for i, s in enumerate(samplers) if s is not greedy]
+
+        def choose(logprobs: mx.array, offset: int) -> mx.array:
+            """The model's (or the draft's) token at each row's position `offset` past its
+            pending one: the argmax, or a sampled row's pick under that position's noise."""
+            out = mx.argmax(logprobs, axis=-1)
+            if sampled:
+                index = mx.array(sampled)
+                out[index] = mx.concatenate([samplers[i].at(logprobs[i: i + 1],
+                                                            [samplers[i].position + offset])
+                                             for i in sampled])
+            return out
+        return choose
+
+    def _finish(self, spec: Speculator, v: _Verification) -> tuple[list[list[int]], mx.array,
+                                                                      float]:
+        """Finish a speculative step: (each row's tokens this step: the pending one and the
+        proposals it keeps, the pending tokens' log-probabilities, the seconds it spent
+        bringing the draft's cache up to the batch: not the step's own cost). The token the
+        model chose after the last kept proposal is the row's next pending one, and the KV of
+        the proposals it did not keep is dropped."""
+        rows, k, room, pending = len(v.uids), v.width - 1, v.room, v.pending
+        chosen, proposed = v.choices.tolist(), v.drafts.tolist()
         kept = []
         for i in range(rows):
             n = 0
@@ -293,23 +355,24 @@ class LeanGenerationBatch(GenerationBatch):
         rollback(self.prompt_cache, drop, [uid in self.logprob_uids for uid in self.uids])
         if spec.method == "draft":
             spec.draft.rollback(drop)
-        for i in adjusted:  # positions 0 .. kept chose tokens (the last one the next pending)
+        for i in v.adjusted:  # positions 0 .. kept chose tokens (the last one the next pending)
             self.logits_processors[i][0].advance(kept[i] + 1)
         emitted = [[pending[i], *proposed[i][:n]] for i, n in enumerate(kept)]
         for i, tokens in enumerate(emitted):
             self.tokens[i].extend(tokens)  # what the cache holds
-        for i in sampled:
-            samplers[i].position += kept[i] + 1
+        samplers = [s or self.fallback_sampler for s in self.samplers]
+        for i, sampler in enumerate(samplers):
+            if sampler is not greedy:
+                sampler.position += kept[i] + 1
         self._next_tokens = mx.array([chosen[i][n] for i, n in enumerate(kept)],
-                                     dtype=inputs.dtype)
-        self._next_logprobs = logprobs[mx.arange(rows), mx.array(kept)]
+                                     dtype=v.dtype)
+        self._next_logprobs = v.logprobs[mx.arange(rows), mx.array(kept)]
         # the rollback's moves too: the device makes them while the host hands out the tokens
         caches = self.prompt_cache + (spec.draft.caches if spec.method == "draft" else [])
         mx.async_eval(self._next_tokens, self._next_logprobs,
                       [(c.keys, c.values) for c in caches])
         spec.record(sum(room), sum(kept))
-        return emitted, current, one_time_s
-
+        return emitted, v.current, v.one_time_s
 
 class LeanPromptBatch(PromptProcessingBatch):
     """mlx-lm's prompt batch, whose prefilled rows go on as a LeanGenerationBatch made directly

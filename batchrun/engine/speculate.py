@@ -262,6 +262,7 @@ class Speculator:
         self._step: tuple[float, bool, int, int, float, bool] | None = None
         self._started = 0.0
         self._probing = False
+        self._void = False  # the step under way shares its time with other work
         self._since_probe = 0
         self._probe_every: dict[int, int] = {}  # width -> steps between tries (PROBE_EVERY)
         self._refused = False
@@ -275,7 +276,7 @@ class Speculator:
         now."""
         now = time.perf_counter()
         self._close_step(now)
-        self._started, self._probing = now, False
+        self._started, self._probing, self._void = now, False, False
         if rows > self.max_rows or not allowed():  # a wide batch's rows are not looked at
             return False
         if not speculates(caches):
@@ -313,13 +314,16 @@ class Speculator:
         """The step that started at the last `wants` made `tokens` tokens for `rows` rows,
         `one_time_s` of its time spent on work that is not the step's own (bringing the draft's
         cache up to the batch after steps that did not speculate, or prefilling new rows)."""
-        self._step = (self._started, speculated, rows, tokens, one_time_s, self._probing)
+        self._step = None if self._void else \
+            (self._started, speculated, rows, tokens, one_time_s, self._probing)
+        self._void = False
 
     def discard(self) -> None:
-        """The step before shares its time with other work (rows admitted, prompts prefilled
-        before the next step starts): not a measure of its kind. A probe that measured nothing
-        neither wins nor backs off."""
-        self._step = None
+        """The last step shares its time with other work (rows admitted, prompts prefilled
+        before the next step starts): not a measure of its kind; nor is the step under way
+        when a speculative step decided it at its end (its time runs from then). A probe that
+        measured nothing neither wins nor backs off."""
+        self._step, self._void = None, True
 
     def _close_step(self, now: float) -> None:
         if self._step is None:
