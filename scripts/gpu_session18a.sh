@@ -14,8 +14,8 @@ W=${WORKLOADS:-few,tail:9,full:9}
     --reps 1 --workloads few > /dev/null 2>&1)
 for r in 1 2; do
   (cd /tmp/base && PYTHONPATH=/tmp/site:/tmp/base python3 scripts/bench_speculate.py \
-      $OUT/before$r --reps ${REPS:-3} --workloads $W 2>&1 | tail -12 | sed "s/^/before$r /")
+      $OUT/before$r --reps ${REPS:-3} --workloads $W 2>&1 | tail -14 | sed "s/^/before$r /")
   python3 scripts/bench_speculate.py $OUT/after$r --reps ${REPS:-3} --workloads $W 2>&1 \
-      | tail -12 | sed "s/^/after$r /"
+      | tail -14 | sed "s/^/after$r /"
 done
-python3 scripts/probe_spec_profile.py few draft 6 2>&1 | head -4
+[ -z "$NO_PROFILE" ] && python3 scripts/probe_spec_profile.py few draft 6 2>&1 | head -4
