@@ -79,6 +79,24 @@ def test_a_chat_teaches_only_its_answer_and_text_all_of_itself(tokenizer):
     assert all(text_mask) and tok.decode(text_ids) == "Plain text.<|endoftext|>"
 
 
+def test_long_answer_lessons_teach_the_answer_after_an_empty_thinking_block(tokenizer):
+    """`enable_thinking: false` puts an empty thinking block before the answer (the sample
+    prompts' rows with a system message ask for it): a share of the long-answer lessons'
+    chats is rendered so, the answer taught after it, and the committed recipe has none."""
+    tok, _ = tokenizer
+    chats = [c for c, _ in lessons.examples(3, 400, long_answers=True) if isinstance(c, list)]
+    off = [c for c in chats if c[-1].get("enable_thinking") is False]
+    assert 0 < len(off) < len(chats) / 2
+    assert not any(isinstance(c, list) and "enable_thinking" in c[-1]
+                   for c, _ in lessons.examples(3, 400))
+    chat = next(c for c in off if c[-1]["content"])
+    ((ids, mask),) = train.encode_examples(tok, [(chat, None)])
+    answer = chat[-1]["content"]
+    assert tok.decode(ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n" + answer
+                                    + "<|im_end|>")
+    assert tok.decode([t for t, m in zip(ids, mask, strict=True) if m]) == answer + "<|im_end|>"
+
+
 def test_training_is_deterministic_from_its_seed_and_lowers_the_loss(tokenizer, monkeypatch):
     tok, folder = tokenizer
     import json

@@ -57,6 +57,13 @@ def encode_examples(tokenizer, examples) -> list[tuple[list[int], list[int]]]:
             prompt = tokenizer.apply_chat_template(content[:-1], tools=tools, tokenize=False,
                                                    add_generation_prompt=True)
             whole = tokenizer.apply_chat_template(content, tools=tools, tokenize=False)
+            if content[-1].get("enable_thinking") is False and whole.startswith(prompt):
+                # the same answer after the prompt as `enable_thinking: false` renders it
+                answer = whole[len(prompt):]
+                prompt = tokenizer.apply_chat_template(content[:-1], tools=tools,
+                                                       tokenize=False, add_generation_prompt=True,
+                                                       enable_thinking=False)
+                whole = prompt + answer
             head = tokenizer.encode(prompt, add_special_tokens=False)
             ids = tokenizer.encode(whole.rstrip("\n"), add_special_tokens=False)
             if ids[:len(head)] != head:
