@@ -14,7 +14,10 @@ cache alone (the engine cuts out the prefix blocks it stores itself). Tokens, st
 order of operations on the device are mlx-lm's, so outputs are identical.
 
 With a `speculator` (speculate.py), a narrow batch's step verifies each row's proposed tokens in
-one forward and hands out every token a row keeps.
+one forward and hands out every token a row keeps. Such a step decides the next one at its end
+and, when that one speculates, starts it on the device (`_verify`) before returning, so the
+device runs while the host hands out this step's tokens, as plain steps overlap; a row joining,
+leaving or having its cache read undoes it first (`_cancel_ahead`).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ few long rows), each speculating row proposes up to `k` tokens past its pending 
   cache (`DraftModel`).
 
 One forward of the target over every row's pending token and proposals verifies them all
-(`LeanGenerationBatch._speculative_step`; n-gram rows are verified as far as the longest
+(`LeanGenerationBatch._verify`, started before the step before returns when that one
+speculated too, and `_finish`; n-gram rows are verified as far as the longest
 proposal reaches, so a step where no row found a match is a plain step's forward). A row keeps
 its proposals up to the first one the target would not have chosen, plus the target's own token
 there; the KV of the rest is dropped from its cache (`rollback`). The target's choice at each
