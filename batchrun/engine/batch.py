@@ -23,6 +23,7 @@ leaving or having its cache read undoes it first (`_cancel_ahead`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -323,7 +324,8 @@ class LeanGenerationBatch(GenerationBatch):
         return _Verification(list(self.uids), k + 1, pending, current, room, drafts, choices,
                              logprobs, adjusted, one_time_s, inputs.dtype)
 
-    def _chooser(self):
+    def _chooser(self) -> Callable[[mx.array, int], mx.array]:
+        """The rows' choice at a position (below), with each row's sampler as it stands."""
         samplers = [s or self.fallback_sampler for s in self.samplers]
         sampled = [i for i, s in enumerate(samplers) if s is not greedy]
 
