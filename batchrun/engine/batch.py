@@ -52,10 +52,10 @@ def _by_position(processors: list) -> bool:
 
 @dataclass
 class _Verification:
-    """A speculative step's forward, started on the device: what finishing it needs."""
-    uids: list[int]  # the batch's rows when it started
+    """A speculative step's forward, started on the device: what finishing it needs (for the
+    batch's rows as they were then: rows joining or leaving undo it first)."""
     width: int  # the positions it added to each row's cache (and to the draft's)
-    pending: list[int]
+    pending: list[int]  # a row's
     current: mx.array  # the pending tokens' log-probabilities
     room: list[int]  # the proposals each row made
     drafts: mx.array  # (rows, width - 1)
@@ -69,10 +69,11 @@ class _Verification:
 class LeanGenerationBatch(GenerationBatch):
     logprob_uids: set[int]  # rows whose Response carries their log-probabilities
     speculator: Speculator | None = None  # speculative decoding where the batch is narrow
-    # The next step, started at the end of a speculative one (the device verifies it while the
-    # host hands out this step's tokens), or decided not to speculate; for these rows.
+    # The next step, decided at the end of a speculative one: started (the device verifies it
+    # while the host hands out this step's tokens), or to run plainly. Rows joining or leaving
+    # clear both.
     _ahead: _Verification | None = None
-    _decided: list[int] | None = None
+    _plain_next = False
 
     @classmethod
     def empty(cls, model, fallback_sampler, logprob_uids: set[int] | None = None):
@@ -215,13 +216,13 @@ class LeanGenerationBatch(GenerationBatch):
     def _cancel_ahead(self) -> None:
         """Undo a verification started ahead (rows are about to join, leave or be read): its
         positions leave every row's cache and the draft's."""
-        ahead, self._ahead, self._decided = self._ahead, None, None
+        ahead, self._ahead, self._plain_next = self._ahead, None, False
         if ahead is None:
             return
         for c in self.prompt_cache:
             c.trim(ahead.width)
         if self.speculator.method == "draft":
-            self.speculator.draft.rollback([ahead.width] * len(ahead.uids))
+            self.speculator.draft.rollback([ahead.width] * len(ahead.pending))
 
     def _wants(self, spec: Speculator) -> bool:
         return spec.wants(len(self.uids), self.prompt_cache,
@@ -233,11 +234,11 @@ class LeanGenerationBatch(GenerationBatch):
             return []
         spec = self.speculator
         rows = len(self.uids)
-        ahead, decided = self._ahead, self._decided
-        self._ahead = self._decided = None
+        ahead, plain_next = self._ahead, self._plain_next
+        self._ahead, self._plain_next = None, False
         if ahead is not None:  # rows joining, leaving or read since would have undone it
             speculating = True
-        elif decided is not None:
+        elif plain_next:
             speculating = False
         else:
             speculating = spec is not None and self._wants(spec)
@@ -274,7 +275,7 @@ class LeanGenerationBatch(GenerationBatch):
             if self._wants(spec):
                 self._ahead = self._verify(spec)
             else:
-                self._decided = list(self.uids)
+                self._plain_next = True
         return responses
 
     def _room(self, k: int) -> list[int]:
@@ -321,8 +322,8 @@ class LeanGenerationBatch(GenerationBatch):
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (rows, k + 1, V)
         choices = mx.stack([choose(logprobs[:, j], j) for j in range(k + 1)], axis=1)
         mx.async_eval(choices, drafts)
-        return _Verification(list(self.uids), k + 1, pending, current, room, drafts, choices,
-                             logprobs, adjusted, one_time_s, inputs.dtype)
+        return _Verification(k + 1, pending, current, room, drafts, choices, logprobs, adjusted,
+                             one_time_s, inputs.dtype)
 
     def _chooser(self) -> Callable[[mx.array, int], mx.array]:
         """The rows' choice at a position (below), with each row's sampler as it stands."""
@@ -348,7 +349,7 @@ class LeanGenerationBatch(GenerationBatch):
         bringing the draft's cache up to the batch: not the step's own cost). The token the
         model chose after the last kept proposal is the row's next pending one, and the KV of
         the proposals it did not keep is dropped."""
-        rows, k, room, pending = len(v.uids), v.width - 1, v.room, v.pending
+        rows, k, room, pending = len(v.pending), v.width - 1, v.room, v.pending
         chosen, proposed = v.choices.tolist(), v.drafts.tolist()
         kept = []
         for i in range(rows):
@@ -378,6 +379,7 @@ class LeanGenerationBatch(GenerationBatch):
                       [(c.keys, c.values) for c in caches])
         spec.record(sum(room), sum(kept))
         return emitted, v.current, v.one_time_s
+
 
 class LeanPromptBatch(PromptProcessingBatch):
     """mlx-lm's prompt batch, whose prefilled rows go on as a LeanGenerationBatch made directly
