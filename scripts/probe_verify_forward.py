@@ -4,7 +4,8 @@ cache of 8 extraction rows (bench_speculate.py's), each forward's KV trimmed off
 
 Per width: the host's time to build the graph, the device's time to run it (evaluated
 synchronously), and the two pipelined as plain decoding runs them (the next forward built
-while the last one runs). Prints one line per width; `--dtype float16` casts the model.
+while the last one runs); then a speculative step's rollback, and the demo draft's 1, 4 and 6
+guesses on the same rows. Prints one line per measure; `--dtype float16` casts the target.
 
     python scripts/probe_verify_forward.py [--k 8] [--reps 50] [--dtype float32]
 """
@@ -28,8 +29,8 @@ from mlx.utils import tree_map  # noqa: E402
 
 from batchrun.engine.engine import Engine  # noqa: E402
 from batchrun.engine.request import EngineConfig, SamplingParams  # noqa: E402
-from batchrun.engine.speculate import rollback  # noqa: E402
-from batchrun.models import DEMO_MODEL, load_model  # noqa: E402
+from batchrun.engine.speculate import DraftModel, rollback  # noqa: E402
+from batchrun.models import DEMO_DRAFT_MODEL, DEMO_MODEL, load_model  # noqa: E402
 
 
 def live_batch(lm, rows: int, decoded: int):
@@ -121,6 +122,18 @@ def main() -> None:
         build, run = timed_rollback(model, cache, inputs, args.reps)
         print(f"rollback after {width} tokens a row: build {build:.2f} ms, run {run:.2f} ms, "
               f"cache length {cache[0]._idx}", flush=True)
+    draft = DraftModel(load_model(str(DEMO_DRAFT_MODEL)).model)
+    draft.sync(batch.uids, batch.tokens)
+    last, pending = [t[-1] for t in batch.tokens], mx.ones((len(batch.uids),), mx.uint32)
+    for k in (1, 4, 6):
+        times = []
+        for _ in range(args.reps):
+            start = time.perf_counter()
+            mx.eval(draft.propose(last, pending, k, lambda lp, j: mx.argmax(lp, axis=-1)))
+            times.append(time.perf_counter() - start)
+            draft.rollback([k + 1] * len(last))
+        print(f"the draft's {k} guesses (the demo draft): "
+              f"{statistics.median(times) * 1e3:.2f} ms", flush=True)
 
 
 if __name__ == "__main__":
