@@ -965,12 +965,29 @@ def entry() -> None:
     """The `batchrun` program (its console script, `python -m batchrun`): `main`, then the
     process ends at once where it can (`_exit_now`). Code that calls `main` itself keeps its
     process: it gets main's SystemExit, as from any click program."""
+    _open_closed_standard_streams()
     try:
         main()
     except SystemExit as e:
         if e.code not in SIGNAL_EXITS and (e.code is None or type(e.code) is int):
             _exit_now(e.code or 0)
         raise
+
+
+def _open_closed_standard_streams() -> None:
+    """A program started with stdin, stdout or stderr closed (`<&-`, `2>&-` in a script) hands
+    those descriptors to the next files it opens: MLX then took descriptor 0, given to a model's
+    weights, for a failure to open them, and a message meant for stderr would land in whichever
+    file took descriptor 2 (a job's results). Each closed one reads and writes /dev/null
+    instead, as daemons do."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: fd itself
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
 
 
 def _exit_now(code: int) -> None:
