@@ -76,3 +76,22 @@ def test_seeded_rows_give_the_same_text_after_a_restart(demo):
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain.generate(PROMPTS[:4],
                                                                                 params)]
     assert engine.faults == 1
+
+
+def test_a_failed_step_is_said_in_one_line_and_the_first_few_only(demo, caplog):
+    calls = {"n": 0}
+
+    def fails(inputs):
+        calls["n"] += 1
+        return calls["n"] % 2 == 0  # every other forward
+
+    model = FaultyModel(demo.model, fails)
+    engine = Engine(model, demo.tokenizer, EngineConfig(max_concurrency=16), demo.context_length)
+    with caplog.at_level("WARNING", logger="batchrun"):
+        outs = engine.generate(PROMPTS, SamplingParams(max_tokens=10))
+    assert len(outs) == len(PROMPTS)
+    said = [r.getMessage() for r in caplog.records if "batch step failed" in r.getMessage()]
+    assert engine.faults > len(said) == 5
+    assert all("\n" not in m and "simulated kernel failure" in m for m in said)
+    assert "its 9 rows run again, half at a time" in said[0]
+    assert said[-1].endswith("further failed steps are not said")

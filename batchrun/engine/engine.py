@@ -48,6 +48,8 @@ from batchrun.engine.sequence import Sequence, Status
 
 log = logging.getLogger("batchrun")
 
+FAULTS_SAID = 5  # failed steps an engine warns of, a line each
+
 TIMELINE_INTERVAL_S = 0.5
 # warm_up's rows (first token id, length): unequal lengths, so the prefill is padded as a
 # job's are, and no common start.
@@ -434,9 +436,18 @@ class Engine(Requests, CacheControl):
         self._finished.append(make_output(seq, reason, self.tokenizer.decode, error))
 
     def _recover(self, error: Exception) -> None:
-        """Restart the running rows on a fresh batch: in halves, or at lower concurrency."""
+        """Restart the running rows on a fresh batch: in halves, or at lower concurrency. The
+        first few faults are said (a line each), the rest counted (`faults`)."""
+        rows, oom = len(self.scheduler.running), _out_of_memory(error)
+        if self.scheduler.faults < FAULTS_SAID:
+            first_line = (str(error).strip().splitlines() or [""])[0][:160]
+            then = ("its row fails alone" if rows == 1 else
+                    f"its {rows} rows run again, {'fewer' if oom else 'half'} at a time")
+            last = self.scheduler.faults == FAULTS_SAID - 1
+            log.warning("a batch step failed (%s: %s): %s%s", type(error).__name__, first_line,
+                        then, "; further failed steps are not said" if last else "")
         failed = self.scheduler.recover(
-            _out_of_memory(error), lambda seq: seq.start_output(self._stop_scanner(seq.params)))
+            oom, lambda seq: seq.start_output(self._stop_scanner(seq.params)))
         self.backend.start(self.max_concurrency, self.config)  # sized by the new concurrency
         if failed is not None:
             self._finish(failed, FinishReason.ERROR, in_batch=False, error=(
