@@ -639,6 +639,45 @@ def test_a_draft_with_another_tokenizer_is_refused(pair, tmp_path):
                EngineConfig(speculate="draft", draft_model=str(other)), pair.context_length)
 
 
+def draft_with_ids(tmp_path, ids: int):
+    """The demo draft with `ids` token ids: its tables cut, or padded with rows whose ids win
+    its guesses (a vocabulary padded further than the model's, and hostile: each padding row
+    scores twice what a real row does)."""
+    folder = tmp_path / f"draft-{ids}"
+    shutil.copytree(DEMO_DRAFT_MODEL, folder)
+    weights = mx.load(str(folder / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        table = weights[name]
+        if ids <= table.shape[0]:
+            weights[name] = table[:ids]
+        else:
+            rows = mx.arange(ids - table.shape[0]) % table.shape[0]
+            weights[name] = mx.concatenate([table, 2 * table[rows]])
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "vocab_size": ids}))
+    return folder
+
+
+def test_a_draft_with_more_token_ids_guesses_only_the_models_and_one_with_fewer_is_refused(
+        pair, tmp_path):
+    """Drafts sharing a tokenizer may pad their vocabularies differently: guesses past the
+    model's ids were read from outside its embedding (wrong tokens, or a crash), and a draft
+    whose table misses some of the tokenizer's ids would read outside its own."""
+    prompts, params = chats()[:4], SamplingParams(max_tokens=24)
+    plain, _ = generate(pair, prompts, params, concurrency=4)
+    wide = draft_with_ids(tmp_path, 2 * 777)
+    config = EngineConfig(max_concurrency=4, speculate="draft", draft_model=str(wide))
+    engine = Engine(pair.model, pair.tokenizer, config, pair.context_length)
+    engine.speculator.adaptive = False
+    assert tokens(engine.generate(prompts, params)) == tokens(plain)
+    assert engine.faults == 0 and engine.stats.speculation.proposed > 0
+    narrow = draft_with_ids(tmp_path, 700)
+    with pytest.raises(ValueError, match="has 700 token ids, fewer than the 777 its tokenizer"):
+        Engine(pair.model, pair.tokenizer,
+               EngineConfig(speculate="draft", draft_model=str(narrow)), pair.context_length)
+
+
 # -- the command line ---------------------------------------------------------------------------
 
 def test_batchrun_run_with_a_draft_model_writes_the_same_results_and_reports_the_gain(

@@ -138,8 +138,9 @@ class DraftModel:
     the verification each row drops what the target's cache drops (the proposals it did not
     keep; its last kept token is the next step's first)."""
 
-    def __init__(self, model, prefill_step: int = 512):
+    def __init__(self, model, prefill_step: int = 512, vocab: int | None = None):
         self.model = model
+        self.vocab = vocab  # the target's token ids: a wider draft's guesses stay below
         self.prefill_step = prefill_step
         self.caches: list[BatchKVCache] | None = None
         self.uids: list[int] = []
@@ -225,7 +226,7 @@ class DraftModel:
                            axis=1)
         out = []
         for j in range(k):
-            logits = self.model(x, cache=self.caches)[:, -1, :].astype(mx.float32)
+            logits = self.model(x, cache=self.caches)[:, -1, : self.vocab].astype(mx.float32)
             token = pick(logits - mx.logsumexp(logits, axis=-1, keepdims=True), j)
             mx.async_eval(token)
             out.append(token)
