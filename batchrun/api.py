@@ -657,6 +657,9 @@ def _plan(input_path: Path, o: RunOptions):
     from batchrun.paths import default_cache_dir
 
     from_stdin = str(input_path) == STDIN
+    for flag, value in (("--model", o.model), ("--draft-model", o.draft_model)):
+        if value is not None and not str(value).strip():  # `--model "$UNSET"`: not the demo
+            raise UsageError(f"{flag} is empty: pass a model folder or a Hugging Face id")
     input_path = _input_path(input_path, o)
     _check_template(o.prompt_template)
     _check_image_column(o)

@@ -99,6 +99,10 @@ def test_fatal_problems_exit_1_with_a_hint_and_no_traceback(tmp_path):
         (["run", rows, "--model", not_a_model, "--job-dir", tmp_path / "j3"],
          "not an mlx-lm model folder"),
         (["run", rows, "--job-dir", blocker / "job"], "Not a directory"),
+        (["run", rows, "--model", blocker, "--job-dir", tmp_path / "j4"],
+         "a-file is a file, not a model folder"),
+        (["run", rows, "--draft-model", blocker, "--job-dir", tmp_path / "j5"],
+         "a-file is a file, not a model folder"),
     ]
     for args, message in cases:
         result = invoke(*args, "--quiet")
@@ -114,6 +118,17 @@ def test_a_missing_input_or_job_file_is_a_usage_error(tmp_path):
         assert result.exit_code == 2, (name, result.output)
         assert message in result.output and "Traceback" not in result.output
     assert not (tmp_path / "jobs").exists()
+
+
+def test_an_empty_model_or_draft_model_is_a_usage_error_not_the_demo(tmp_path):
+    """`--model "$MODEL"` with MODEL unset would have run the demo model in its place."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "hi"}\n')
+    for flag in ("--model", "--draft-model"):
+        result = invoke("run", rows, flag, " ", "--job-dir", tmp_path / "job", "--quiet")
+        assert result.exit_code == 2, (flag, result.output)
+        assert f"{flag} is empty" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "job").exists()
 
 
 def test_disk_full_stops_cleanly_and_the_rerun_completes(tmp_path, monkeypatch):

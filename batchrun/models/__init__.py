@@ -81,7 +81,9 @@ def check_local(path: str) -> None:
         return  # a Hugging Face id
     if not p.exists():
         raise ModelError(f"model folder not found: {path}")
-    if not p.is_dir() or not (p / "config.json").is_file():
+    if not p.is_dir():
+        raise ModelError(f"{path} is a file, not a model folder")
+    if not (p / "config.json").is_file():
         raise ModelError(f"{path} is not an mlx-lm model folder (it has no config.json)")
     if not any(p.glob("*.safetensors")):
         raise ModelError(f"{path} has no .safetensors weights: convert it with mlx_lm.convert")
