@@ -109,6 +109,7 @@ class Engine(Requests, CacheControl):
             log.warning("speculative decoding serves text models; this one decodes without it")
             return None
         from batchrun.engine.speculate import DraftModel, Speculator
+        from batchrun.engine.text import vocab_size
 
         draft = None
         if method == "draft":
@@ -126,14 +127,13 @@ class Engine(Requests, CacheControl):
             if self.model_path and Path(loaded.path).resolve() == Path(self.model_path).resolve():
                 log.warning("the draft model is the model itself: its guesses cost as much as "
                             "the steps they would save")
-            ids, width = token_ids(self.tokenizer), output_width(loaded.model)
-            fewest = min(width, embedding_rows(loaded.model) or width)
-            if fewest < ids:  # a token past its table would be read from outside it
-                raise DraftModelError(f"the draft model {name} has {fewest} token ids, fewer "
+            ids, width = len(self.tokenizer._tokenizer), vocab_size(loaded.model, loaded.tokenizer)
+            if width < ids:  # a token past its table would be read from outside it
+                raise DraftModelError(f"the draft model {name} has {width} token ids, fewer "
                                       f"than the {ids} its tokenizer writes")
             # a wider draft (a vocabulary padded further) guesses within the model's ids only
             draft = DraftModel(loaded.model, self.config.prefill_step_size,
-                               vocab=output_width(self.model))
+                               vocab=backend.vocab_size)
             if not draft.usable:
                 raise DraftModelError(f"the draft model {name}: its KV cache cannot drop "
                                       "tokens (a sliding window or recurrent state)")
@@ -486,27 +486,6 @@ class Engine(Requests, CacheControl):
 def _out_of_memory(error: Exception) -> bool:
     return isinstance(error, MemoryError) or "out of memory" in str(error).lower() \
         or "bad_alloc" in str(error)
-
-
-def token_ids(tokenizer: Any) -> int:
-    """How many token ids a tokenizer writes: its highest id and one."""
-    return max(getattr(tokenizer, "_tokenizer", tokenizer).get_vocab().values()) + 1
-
-
-def output_width(model: Any) -> int:
-    """The token ids a language model scores (its output's width, padding included), from a
-    one-token forward."""
-    logits = model(mx.array([[0]]))
-    return logits.shape[-1]
-
-
-def embedding_rows(model: Any) -> int | None:
-    """The rows of a language model's input embedding (mlx-lm's `embed_tokens`, GPT-2's
-    `wte`), None where it has neither: a token id past them reads outside the table."""
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in ("embed_tokens", "wte") and hasattr(module, "weight"):
-            return module.weight.shape[0]
-    return None
 
 
 def same_vocabulary(a: Any, b: Any) -> bool:

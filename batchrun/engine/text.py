@@ -46,6 +46,13 @@ CPU_PREFIX_STEP = 256
 LEAN_STEP = True  # False: mlx-lm's own GenerationBatch (kept for the side-by-side benchmark)
 
 
+def vocab_size(model: Any, tokenizer: Any) -> int:
+    """The token ids a text model scores: its config's vocab_size (the rows of its embedding
+    and output, padding included), else as many as its tokenizer has."""
+    return (getattr(getattr(model, "args", None), "vocab_size", None)
+            or len(tokenizer._tokenizer))
+
+
 class TextBackend:
     scores_choices = True
     prefix_cache = True
@@ -56,8 +63,7 @@ class TextBackend:
         self.tokenizer = tokenizer
         self.prompts = PromptBuilder(tokenizer)
         self.eos = tuple(sorted(tokenizer.eos_token_ids))
-        self.vocab_size = (getattr(getattr(model, "args", None), "vocab_size", None)
-                           or len(tokenizer._tokenizer))
+        self.vocab_size = vocab_size(model, tokenizer)
         self._eos_stops = StopSequences([(t,) for t in self.eos])
         self._logprob_uids: set[int] = set()  # running rows whose steps carry logprobs
         self._gen: BatchGenerator | None = None
