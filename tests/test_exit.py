@@ -220,16 +220,12 @@ def test_a_run_started_with_a_standard_stream_closed_writes_its_results_alone(tm
     """`batchrun run ... <&-` (or `>&-`, `2>&-`) in a script: the model still loads (MLX took
     descriptor 0, left free, for a failed open) and nothing meant for a closed stream lands in
     a file that took its descriptor."""
-    import subprocess
-
     rows = write_rows(tmp_path / "rows.jsonl", 4)
     job = tmp_path / "job"
-    done = subprocess.run(
-        [sys.executable, "-c", f"import os, runpy, sys; os.close({closed}); sys.argv = "
-         "['batchrun', *sys.argv[1:]]; runpy.run_module('batchrun', run_name='__main__')",
-         "run", str(rows), "--job-dir", str(job), "--debug"],
-        capture_output=True, timeout=300)
-    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    code, _, err = cli_process("run", rows, "--job-dir", job, "--debug", timeout=300, code=(
+        f"import os, runpy, sys; os.close({closed}); sys.argv = ['batchrun', *sys.argv[1:]]; "
+        "runpy.run_module('batchrun', run_name='__main__')"))
+    assert code == 0, err[-2000:]
     results = [orjson.loads(line) for line in (job / "results.jsonl").read_bytes().splitlines()]
     assert [r["custom_id"] for r in results] == [f"r{i}" for i in range(4)]
     for name in ("errors.jsonl", "state.json", "report.json"):
