@@ -36,9 +36,9 @@ def chats(questions=QUESTIONS):
 
 
 def generate(lm, prompts, params, speculate="off", concurrency=8, k=4, prefix_cache=None,
-             adaptive=False):
+             adaptive=False, draft=DEMO_DRAFT_MODEL):
     config = EngineConfig(max_concurrency=concurrency, speculate=speculate, draft_tokens=k,
-                          draft_model=str(DEMO_DRAFT_MODEL) if speculate == "draft" else None)
+                          draft_model=str(draft) if speculate == "draft" else None)
     engine = Engine(lm.model, lm.tokenizer, config, lm.context_length, prefix_cache=prefix_cache,
                     model_fingerprint=lm.fingerprint)
     if engine.speculator is not None:
@@ -666,12 +666,9 @@ def test_a_draft_with_more_token_ids_guesses_only_the_models_and_one_with_fewer_
     whose table misses some of the tokenizer's ids would read outside its own."""
     prompts, params = chats()[:4], SamplingParams(max_tokens=24)
     plain, _ = generate(pair, prompts, params, concurrency=4)
-    wide = draft_with_ids(tmp_path, 2 * 777)
-    config = EngineConfig(max_concurrency=4, speculate="draft", draft_model=str(wide))
-    engine = Engine(pair.model, pair.tokenizer, config, pair.context_length)
-    engine.speculator.adaptive = False
-    assert tokens(engine.generate(prompts, params)) == tokens(plain)
-    assert engine.faults == 0 and engine.stats.speculation.proposed > 0
+    spec, engine = generate(pair, prompts, params, "draft", concurrency=4,
+                            draft=draft_with_ids(tmp_path, 2 * 777))
+    assert tokens(spec) == tokens(plain) and engine.stats.speculation.proposed > 0
     narrow = draft_with_ids(tmp_path, 700)
     with pytest.raises(ValueError, match="has 700 token ids, fewer than the 777 its tokenizer"):
         Engine(pair.model, pair.tokenizer,
