@@ -104,7 +104,7 @@ class RunOptions:
     # draft_model is given, else off).
     speculate: str | None = None
     draft_model: str | None = None
-    draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    draft_tokens: int | None = None  # None: DEFAULT_DRAFT_TOKENS (given without speculation: said)
     restart: bool = False
     quiet: bool = True
     ray_address: str | None = None
@@ -677,6 +677,10 @@ def _plan(input_path: Path, o: RunOptions):
         raise UsageError(f"{e}{why}") from None
     if o.draft_model and o.speculate in ("off", "ngram"):
         log.warning("--draft-model %s is not used: --speculate is %s", o.draft_model, o.speculate)
+    method = o.speculate or ("draft" if o.draft_model else "off")
+    if o.draft_tokens is not None and method == "off":
+        log.warning("--draft-tokens %s is not used: no speculation (pass --speculate ngram or "
+                    "--draft-model)", o.draft_tokens)
     if o.speculate == "draft" and not o.draft_model:
         raise UsageError("--speculate draft needs --draft-model (a small model made with the "
                          "same tokenizer as the model)")
@@ -687,9 +691,9 @@ def _plan(input_path: Path, o: RunOptions):
                               memory_utilization=o.memory_utilization,
                               prefix_cache=not o.no_prefix_cache,
                               shared_prefix=not o.no_shared_prefix,
-                              speculate=o.speculate or ("draft" if o.draft_model else "off"),
+                              speculate=method,
                               draft_model=str(o.draft_model) if o.draft_model else None,
-                              draft_tokens=o.draft_tokens,
+                              draft_tokens=o.draft_tokens or DEFAULT_DRAFT_TOKENS,
                               cache_dir=str(o.cache_dir or default_cache_dir()))
     except ValueError as e:
         raise UsageError(str(e)) from None

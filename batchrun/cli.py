@@ -229,6 +229,8 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
     messages go to stderr.
     """
     job_file = None
+    if ctx.get_parameter_source("draft_tokens") is ParameterSource.DEFAULT:
+        opts["draft_tokens"] = None  # the default: not said to be unused (a job file may set it)
     if input_path.suffix.lower() == ".toml":
         job_file = input_path
         opts = _merge_job_file(ctx, input_path, opts)

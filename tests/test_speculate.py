@@ -613,8 +613,8 @@ def test_the_guesses_a_step_default_alike_everywhere():
 
     option = next(p for p in cli.commands["run"].params if p.name == "draft_tokens")
     assert isinstance(option, click.Option)
-    assert option.default == api.RunOptions().draft_tokens == EngineConfig().draft_tokens \
-        == speculate.DEFAULT_DRAFT_TOKENS
+    assert option.default == EngineConfig().draft_tokens == speculate.DEFAULT_DRAFT_TOKENS
+    assert api.RunOptions().draft_tokens is None  # the default, resolved where the job is planned
 
 
 def test_bad_speculation_settings_name_the_field():
@@ -675,6 +675,7 @@ def test_a_draft_with_more_token_ids_guesses_only_the_models_and_one_with_fewer_
                EngineConfig(speculate="draft", draft_model=str(narrow)), pair.context_length)
 
 
+
 # -- the command line ---------------------------------------------------------------------------
 
 def test_batchrun_run_with_a_draft_model_writes_the_same_results_and_reports_the_gain(
@@ -693,9 +694,15 @@ def test_batchrun_run_with_a_draft_model_writes_the_same_results_and_reports_the
     assert report["speculative_acceptance"] > 0.5
     assert report["runs"][-1]["speculative_steps"] == report["speculative_steps"] > 0
     assert "tokens gained" in result.output
+    # the run says what it was asked to speculate with, beside what it did
+    assert report["runs"][-1]["speculation"] == {
+        "method": "draft", "draft_model": str(DEMO_DRAFT_MODEL), "draft_tokens": 6}
+    assert f"speculation (draft model {DEMO_DRAFT_MODEL}, 6 guesses a row):" in result.output
     assert "speculative" in (tmp_path / "spec" / "report.html").read_text()
     plain = json.loads((tmp_path / "plain" / "report.json").read_text())
     assert plain["speculative_steps"] == 0 and plain["speculative_acceptance"] is None
+    assert plain["runs"][-1]["speculation"] == {"method": "off", "draft_model": None,
+                                                "draft_tokens": None}
 
 
 def test_speculation_flags_are_checked_in_one_line(tmp_path):
@@ -727,6 +734,28 @@ def test_an_unused_draft_model_is_said(tmp_path, caplog):
         run(rows, "--job-dir", tmp_path / "j", "--draft-model", DEMO_DRAFT_MODEL,
             "--speculate", "ngram")
     assert "--draft-model" in caplog.text and "is not used" in caplog.text
+
+
+@pytest.mark.parametrize("how", ["flag", "job file", "environment"])
+def test_draft_tokens_without_speculation_are_said(tmp_path, caplog, monkeypatch, how):
+    rows = write_rows(tmp_path / "rows.jsonl", [{"prompt": "hello", "max_tokens": 2}])
+    args = [rows, "--job-dir", tmp_path / "j"]
+    if how == "flag":
+        args += ["--draft-tokens", 4]
+    elif how == "job file":
+        (tmp_path / "job.toml").write_text('input = "rows.jsonl"\ndraft_tokens = 4\n')
+        args[0] = tmp_path / "job.toml"
+    else:
+        monkeypatch.setenv("BATCHRUN_RUN_DRAFT_TOKENS", "4")
+    with caplog.at_level("WARNING", logger="batchrun"):
+        run(*args)
+    assert "--draft-tokens 4 is not used: no speculation" in caplog.text
+    caplog.clear()
+    monkeypatch.delenv("BATCHRUN_RUN_DRAFT_TOKENS", raising=False)
+    with caplog.at_level("WARNING", logger="batchrun"):  # with speculation, or by default
+        run(rows, "--job-dir", tmp_path / "k", "--speculate", "ngram", "--draft-tokens", 4)
+        run(rows, "--job-dir", tmp_path / "m")
+    assert "--draft-tokens" not in caplog.text
 
 
 def test_the_model_as_its_own_draft_is_said(tmp_path, caplog):

@@ -25,6 +25,8 @@ What the figures mean. The job (top level):
   share (accuracy); error records are not results and count in neither.
 
 A run (one start of the job, in `runs`):
+- speculation: the settings it ran with: method ("off", "ngram" or "draft"), draft_model and
+  draft_tokens (the guesses a row); a resumed job's runs may differ.
 - rows_done, rows_failed: the rows this run committed; prompt_tokens, cached_prompt_tokens,
   completion_tokens: those rows' usage (the job's tokens less the earlier runs').
 - generated_tokens: what the engine generated in the run, rows it had not finished included (an
@@ -104,6 +106,16 @@ def run_entry(started: float, status: str, stats: EngineStats, rows_done: int, r
         "speculative_accepted_tokens": stats.speculation.accepted,
         "timeline": _thin(stats.timeline),
     }
+
+
+def speculation_settings(config) -> dict:
+    """What a run was asked to speculate with (EngineConfig's settings): the method, the draft
+    model (for "draft") and the guesses a row (unless "off"). Whether a step speculated is
+    measured as the job runs; the run's speculative_* figures say what it did."""
+    method = config.speculate
+    return {"method": method,
+            "draft_model": config.draft_model if method == "draft" else None,
+            "draft_tokens": config.draft_tokens if method != "off" else None}
 
 
 def _round(x: float | None) -> float | None:
@@ -544,7 +556,12 @@ def summary_text(report: dict) -> str:
     if report.get("speculative_steps"):
         proposed, kept = report["speculative_proposed_tokens"], report[
             "speculative_accepted_tokens"]
-        lines.append(f"speculation: {kept:,} of {proposed:,} guessed tokens kept "
+        asked = (report["runs"][-1].get("speculation") or {}) if report.get("runs") else {}
+        how = {"draft": f" (draft model {asked.get('draft_model')}, "
+                        f"{asked.get('draft_tokens')} guesses a row)",
+               "ngram": f" (prompt lookup, {asked.get('draft_tokens')} guesses a row)"}.get(
+            asked.get("method"), "")
+        lines.append(f"speculation{how}: {kept:,} of {proposed:,} guessed tokens kept "
                      f"({kept / max(proposed, 1):.0%}): {kept:,} tokens gained in "
                      f"{report['speculative_steps']:,} steps")
     labels = report.get("labels")

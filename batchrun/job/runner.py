@@ -583,6 +583,7 @@ class JobRunner(RowWork):
                            progress.rows_failed - start.rows_failed,
                            self.engine.max_concurrency, wall)
         run["models_requested"] = dict(self.models_requested)
+        run["speculation"] = rp.speculation_settings(self.engine.config)
         self.report = rp.build_report(self.manifest, progress, self.rows_total, [*runs, run],
                                       self.device)
         requested: Counter[str] = Counter()
