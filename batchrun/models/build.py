@@ -197,10 +197,12 @@ def build(out: str | Path, shape: str = "demo", seed: int = 0) -> Path:
     return out
 
 
-def model_folder(out: Path, spec: Shape, seed: int, shape: str) -> dict:
+def model_folder(out: Path, spec: Shape, seed: int, shape: str,
+                 tokenizer_seed: int | None = None) -> dict:
     """The demo tokenizer, config.json and generation_config.json of a model of this shape in
-    `out` (weights not included); the config."""
-    n_vocab = build_tokenizer(out, seed=seed)
+    `out` (weights not included); the config. The tokenizer is drawn from `tokenizer_seed`
+    (default `seed`)."""
+    n_vocab = build_tokenizer(out, seed=seed if tokenizer_seed is None else tokenizer_seed)
     vocab_size = spec.vocab_size or n_vocab
     ids = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
     eos = [t["id"] for t in ids if t["content"] in ("<|im_end|>", "<|endoftext|>")]

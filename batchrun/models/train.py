@@ -186,7 +186,9 @@ def train_pair(target_out: Path, draft_out: Path, steps: int, seed: int,
     for role, out, n in (("target", target_out, steps), ("draft", draft_out,
                                                           draft_steps or steps)):
         out.mkdir(parents=True, exist_ok=True)
-        config = build.model_folder(out, SHAPES[role], seed, f"demo-{role}")
+        # The tokenizer stays the demo model's (seed 0) whatever the seed: the seed draws the
+        # weights and lessons, and every demo model then writes the same token ids.
+        config = build.model_folder(out, SHAPES[role], seed, f"demo-{role}", tokenizer_seed=0)
         if data is None:
             from transformers import PreTrainedTokenizerFast
 
