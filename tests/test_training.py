@@ -190,3 +190,20 @@ def test_the_trained_demo_answers_the_sample_questions_with_its_lessons(tmp_path
         right += bool(text) and answer.startswith(text) or text.startswith(answer)
     assert total == 48 and right >= 44, right
 
+
+
+def test_a_pair_trained_from_any_seed_writes_the_demo_models_token_ids(tmp_path, monkeypatch):
+    """The seed draws the weights and the lessons; the tokenizer is the random-weight demo
+    model's whatever the seed, so every demo model (and a draft of any) writes the same ids."""
+    import json
+
+    from batchrun.models import RANDOM_DEMO_MODEL
+
+    monkeypatch.setattr(train, "BATCH", 2)
+    monkeypatch.setattr(train, "labeling_accuracy", lambda folder: 0.0)  # not this test's
+    train.train_pair(tmp_path / "target", tmp_path / "draft", 1, 3, examples=40)
+    for role in ("target", "draft"):
+        assert (tmp_path / role / "tokenizer.json").read_bytes() == \
+            (RANDOM_DEMO_MODEL / "tokenizer.json").read_bytes()
+        config = json.loads((tmp_path / role / "config.json").read_text())
+        assert config["batchrun_training"]["seed"] == config["batchrun_seed"] == 3
