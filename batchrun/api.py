@@ -581,16 +581,19 @@ def _generation_config(model: str | None) -> dict:
     elif path.is_absolute() or name.startswith((".", "~")):
         return {}  # a local folder that is not there: loading the model says so
     else:
-        try:
-            from huggingface_hub import hf_hub_download
+        from huggingface_hub import hf_hub_download
 
+        from batchrun.models import hub_unreachable
+
+        try:
+            file = Path(hf_hub_download(name, "generation_config.json", local_files_only=True))
+        except Exception:
+            if hub_unreachable():  # loading the model says so, without the download's retries
+                return {}
             try:
-                file = Path(hf_hub_download(name, "generation_config.json",
-                                            local_files_only=True))
-            except Exception:
                 file = Path(hf_hub_download(name, "generation_config.json"))
-        except Exception:  # none, or unreachable: loading the model says why if it matters
-            return {}
+            except Exception:  # none, or unreachable: loading the model says why if it matters
+                return {}
     try:
         config = json.loads(file.read_text())
     except (OSError, ValueError) as e:

@@ -131,6 +131,83 @@ def test_an_empty_model_or_draft_model_is_a_usage_error_not_the_demo(tmp_path):
     assert not (tmp_path / "job").exists()
 
 
+def test_a_model_id_the_hub_cannot_serve_is_one_line_without_retries(tmp_path, monkeypatch,
+                                                                       caplog):
+    """A Hugging Face id missing from the local cache, the Hub out of reach (offline mode, its
+    name not resolving) or without that model: one line naming the model and why. The
+    unreachable Hub is found before any request: a download retried for ~25 s first, printing
+    a line a retry."""
+    import http.server
+    import socket
+
+    from huggingface_hub import constants
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "hi"}\n')
+    hub_host = "huggingface.test"
+
+    def hub_at(endpoint: str) -> None:  # as HF_ENDPOINT would set them at import
+        monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                            endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+
+    hub_at(f"https://{hub_host}")
+    for proxy in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(proxy, raising=False)  # behind a proxy, the name is its to resolve
+    resolve = socket.getaddrinfo
+
+    def no_hub(host, *args, **kw):  # no packet leaves for the Hub's name
+        if host == hub_host:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return resolve(host, *args, **kw)
+
+    def run_with(flag: str, job: str):
+        result = invoke("run", rows, flag, "nobody/no-such-model", "--job-dir", tmp_path / job,
+                        "--quiet")
+        assert result.exit_code == 1, result.output
+        assert "Traceback" not in result.output
+        return result.output.strip().splitlines()[0]
+
+    caplog.set_level("WARNING")
+    monkeypatch.setattr(socket, "getaddrinfo", no_hub)
+    for flag in ("--model", "--draft-model"):
+        line = run_with(flag, "j1")
+        assert "nobody/no-such-model is neither a local folder nor in the local Hugging Face " \
+               "cache, and the Hugging Face Hub cannot be reached (huggingface.test does not " \
+               "resolve: Name or service not known)" in line, line
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert "(HF_HUB_OFFLINE is set)" in run_with("--model", "j2")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+    asked = []
+
+    class NoModels(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            asked.append(self.path)
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NoModels)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        hub_at(f"http://127.0.0.1:{httpd.server_port}")
+        line = run_with("--model", "j3")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert line.startswith("Error: nobody/no-such-model could not be fetched from the Hugging "
+                           "Face Hub: "), line
+    assert asked and all("nobody/no-such-model" in path for path in asked)
+    assert "Retrying" not in caplog.text  # no download waited to try again
+
+
 def test_disk_full_stops_cleanly_and_the_rerun_completes(tmp_path, monkeypatch):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(orjson.dumps({"prompt": f"row {i} " * (1 + i % 4),

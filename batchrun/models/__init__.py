@@ -129,7 +129,46 @@ def local_path(model: str | None) -> str:
         return snapshot_download(path, local_files_only=True,
                                  allow_patterns=DEFAULT_ALLOW_PATTERNS)
     except Exception:  # not in the local hub cache (or incomplete there): fetch it
+        pass
+    why = hub_unreachable()
+    if why:
+        raise ModelError(f"{path} is neither a local folder nor in the local Hugging Face cache, "
+                         f"and the Hugging Face Hub cannot be reached ({why})")
+    try:
         return snapshot_download(path, allow_patterns=DEFAULT_ALLOW_PATTERNS)
+    except Exception as e:
+        raise ModelError(f"{path} could not be fetched from the Hugging Face Hub: "
+                         f"{_first_line(e)}") from e
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face Hub cannot be reached from here, checked without a request:
+    offline mode, or its host's name does not resolve here and no proxy would resolve it (a
+    download would retry for ~25 s before failing); None when a download may be tried."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    host = urlsplit(constants.ENDPOINT).hostname
+    if not host:
+        return f"HF_ENDPOINT {constants.ENDPOINT!r} names no host"
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None  # the proxy resolves the name, not this machine
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError as e:
+        return f"{host} does not resolve: {e.strerror or e}"
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    """An exception's message, first line only (hub errors add lines of advice)."""
+    text = str(e).strip()
+    # huggingface_hub prefixes a wrapped error with "Got: "; the line after it repeats advice
+    return text.splitlines()[0].removeprefix("Got: ") if text else type(e).__name__
 
 
 def load_vision_model(model: str) -> LoadedModel:
