@@ -621,7 +621,10 @@ def _merge_job_file(ctx: click.Context, path: Path, opts: dict) -> dict:
             continue
         if key in JOB_FILE_PATHS:
             value = path.parent / _job_file_str(path, key, value)
-        elif key in ("model", "draft_model") and _job_file_str(path, key, value) and \
+        elif key in ("model", "draft_model") and not _job_file_str(path, key, value).strip():
+            raise click.UsageError(f"{path}: {key} is empty: name a model folder or a Hugging "
+                                   "Face id, or leave the key out")
+        elif key in ("model", "draft_model") and \
                 (path.parent / _job_file_str(path, key, value)).exists():
             value = str(path.parent / value)
         elif key == "stop" and isinstance(value, str):

@@ -183,6 +183,8 @@ def usage_cases(tmp_path: Path) -> list[tuple[list, str]]:
         ([job_file("word.toml", 'max_tokens = "ten"\n')], "max_tokens"),
         ([job_file("negative.toml", "temperature = -1\n")], "temperature"),
         ([job_file("list.toml", 'system = ["a", "b"]\n')], "system takes one value"),
+        ([job_file("nodraft.toml", 'draft_model = " "\n')], "nodraft.toml: draft_model is empty"),
+        ([job_file("nomodel.toml", 'model = ""\n')], "nomodel.toml: model is empty"),
         ([tmp_path / "noinput.toml"], "needs an 'input' key"),
         ([rows, "--max-tokens", "0"], "--max-tokens"),
         ([rows, "--top-p", "2"], "--top-p"),
