@@ -765,6 +765,41 @@ def test_the_model_as_its_own_draft_is_said(tmp_path, caplog):
     assert "the draft model is the model itself" in caplog.text
 
 
+def test_the_draft_guesses_with_the_rows_logit_bias(pair):
+    """A row's logit bias changes what the model chooses; a draft guessing without it guesses
+    what the model no longer chooses. Its guesses get the bias the verification gives each
+    position, so rows whose bias decides their tokens keep nearly every guess."""
+    favoured = pair.tokenizer.encode("Paris", add_special_tokens=False)[0]
+    params = [SamplingParams(max_tokens=40, logit_bias=((favoured, 30.0),)),
+              SamplingParams(max_tokens=40)] * 2
+    plain, _ = run_rows(pair, chats()[:4], params)
+    spec, engine = run_rows(pair, chats()[:4], params, "draft")
+    assert tokens(spec) == tokens(plain)
+    assert plain[0].token_ids.count(favoured) > 30  # the bias decides the row's tokens
+    stats = engine.stats.speculation
+    assert stats.accepted > 0.9 * stats.proposed, stats
+
+
+def test_a_draft_narrower_than_the_model_adjusts_logits_as_wide_as_the_models():
+    """A bias or a stop token may name an id the model has and a narrower draft lacks: the
+    draft's logits are widened to the model's ids (the missing ones never guessed) before a
+    row's adjustments index them."""
+    draft_lm = load_model(str(DEMO_DRAFT_MODEL))
+    width = len(draft_lm.tokenizer._tokenizer)
+    draft = speculate.DraftModel(draft_lm.model, vocab=width + 100)
+    context = list(draft_lm.tokenizer.encode("Review of a tent: it is noisy."))
+    draft.sync([0], [context])
+    seen = []
+
+    def adjust(logits, offset):
+        seen.append(logits.shape[-1])
+        return logits.at[:, width + 50].add(5.0)  # an id past the draft's own
+
+    guesses = draft.propose([context[-1]], mx.array([context[-1]]), 3,
+                            lambda logprobs, j: mx.argmax(logprobs, axis=-1), adjust)
+    assert seen == [width + 100] * 3
+    assert all(0 <= t < width for t in guesses.tolist()[0])
+
 @pytest.mark.parametrize("speculate", ["draft", "ngram"])
 def test_rows_with_min_tokens_or_logit_bias_speculate_to_the_same_tokens(pair, speculate):
     """min_tokens and logit_bias depend on a token's position only: each guessed position

@@ -294,12 +294,14 @@ class LeanGenerationBatch(GenerationBatch):
         rows, k = len(self.uids), spec.k
         room = self._room(k)
         choose = self._chooser()
+        adjusted = [i for i, p in enumerate(self.logits_processors) if p]
         one_time_s = 0.0
         if spec.method == "draft":
             start = time.perf_counter()
             if spec.draft.sync(self.uids, self.tokens):
                 one_time_s = time.perf_counter() - start
-            drafts = spec.draft.propose([t[-1] for t in self.tokens], inputs, k, choose)
+            drafts = spec.draft.propose([t[-1] for t in self.tokens], inputs, k, choose,
+                                        self._adjuster(adjusted) if adjusted else None)
         else:
             guesses = []
             for i in range(rows):
@@ -314,7 +316,6 @@ class LeanGenerationBatch(GenerationBatch):
                               ).reshape(rows, k)
         logits = self.model(mx.concatenate([inputs[:, None], drafts], axis=1),
                             cache=self.prompt_cache)
-        adjusted = [i for i, p in enumerate(self.logits_processors) if p]
         if adjusted:  # logit bias, min_tokens: what each position's call would do
             index = mx.array(adjusted)
             logits[index] = mx.stack([self.logits_processors[i][0].at_positions(logits[i])
@@ -324,6 +325,19 @@ class LeanGenerationBatch(GenerationBatch):
         mx.async_eval(choices, drafts)
         return _Verification(k + 1, pending, current, room, drafts, choices, logprobs, adjusted,
                              one_time_s, inputs.dtype)
+
+    def _adjuster(self, adjusted: list[int]) -> Callable[[mx.array, int], mx.array]:
+        """The draft's logits (rows, vocab) at a guess `offset` positions past each row's
+        pending one, with the logit bias and min_tokens of the `adjusted` rows applied as the
+        verification applies them there: a draft guessing without them loses guesses."""
+        index = mx.array(adjusted)
+        processors = [self.logits_processors[i][0] for i in adjusted]
+
+        def adjust(logits: mx.array, offset: int) -> mx.array:
+            logits[index] = mx.concatenate([p.at_positions(logits[i: i + 1], offset)
+                                            for i, p in zip(adjusted, processors, strict=True)])
+            return logits
+        return adjust
 
     def _chooser(self) -> Callable[[mx.array, int], mx.array]:
         """The rows' choice at a position (below), with each row's sampler as it stands."""

@@ -94,11 +94,11 @@ class LogitAdjustments:
         p = self.params
         return p.repetition_penalty == 1 and not p.presence_penalty and not p.frequency_penalty
 
-    def at_positions(self, logits: mx.array) -> mx.array:
-        """`logits` (positions, vocab) of the row's next tokens, the first of them the one this
-        processor would be called for next, adjusted as those calls would (`by_position` only;
-        `advance` counts the ones used)."""
-        return self._barred(self._biased(logits), self.generated)
+    def at_positions(self, logits: mx.array, offset: int = 0) -> mx.array:
+        """`logits` (positions, vocab) of the row's next tokens, the first of them `offset`
+        tokens past the one this processor would be called for next, adjusted as those calls
+        would (`by_position` only; `advance` counts the ones used)."""
+        return self._barred(self._biased(logits), self.generated + offset)
 
     def advance(self, n: int) -> None:
         """`n` tokens were chosen from `at_positions`' logits."""

@@ -24,7 +24,7 @@ tokens good ones.
 Rows that report log-probabilities, or have a token to go, propose nothing; a batch holding a
 row with logits processors that look at the tokens (penalties, grammars, thinking budgets), or
 none that may propose, decodes plainly (logit bias and min_tokens depend on positions only: a
-verification applies them at each guessed position); architectures whose caches cannot be
+verification applies them at each guessed position, and a draft guesses with them); architectures whose caches cannot be
 cut back (sliding windows, recurrent state) do not speculate, and the log says so once. A
 draft's KV cache is not counted in the engine's memory budget (a draft is meant to be small).
 """
@@ -216,9 +216,11 @@ class DraftModel:
             mx.eval([c.state for c in caches])
         return caches
 
-    def propose(self, last: list[int], pending: mx.array, k: int, pick) -> mx.array:
+    def propose(self, last: list[int], pending: mx.array, k: int, pick, adjust=None
+                ) -> mx.array:
         """(rows, k) proposals after each row's `pending` token: the draft's choice at each
-        position (`pick(logprobs, j)` for the j-th proposal), fed back in turn, the first
+        position (`pick(logprobs, j)` for the j-th proposal, of the logits `adjust(logits, j)`
+        makes when given: the rows' logit bias and min_tokens), fed back in turn, the first
         forward taking each row's `last` token in the target's cache (the one this cache lacks)
         and its pending one. Each forward starts on the device as soon as it is built, so the
         host builds the next one (and then the verification) while the device runs it."""
@@ -227,6 +229,11 @@ class DraftModel:
         out = []
         for j in range(k):
             logits = self.model(x, cache=self.caches)[:, -1, : self.vocab].astype(mx.float32)
+            if adjust is not None:
+                short = (self.vocab or 0) - logits.shape[-1]
+                if short > 0:  # the ids a bias or a stop may name, past the draft's: never guessed
+                    logits = mx.pad(logits, [(0, 0), (0, short)], constant_values=-mx.inf)
+                logits = adjust(logits, j)
             token = pick(logits - mx.logsumexp(logits, axis=-1, keepdims=True), j)
             mx.async_eval(token)
             out.append(token)
