@@ -698,11 +698,16 @@ def test_batchrun_run_with_a_draft_model_writes_the_same_results_and_reports_the
     assert report["runs"][-1]["speculation"] == {
         "method": "draft", "draft_model": str(DEMO_DRAFT_MODEL), "draft_tokens": 6}
     assert f"speculation (draft model {DEMO_DRAFT_MODEL}, 6 guesses a row):" in result.output
-    assert "speculative" in (tmp_path / "spec" / "report.html").read_text()
+    page = (tmp_path / "spec" / "report.html").read_text()
+    kept = report["runs"][-1]["speculative_accepted_tokens"] / report["runs"][-1][
+        "speculative_proposed_tokens"]
+    assert "speculative" in page and f"<td title=\"{DEMO_DRAFT_MODEL}\">draft 6, {kept:.0%} kept" \
+        in page
     plain = json.loads((tmp_path / "plain" / "report.json").read_text())
     assert plain["speculative_steps"] == 0 and plain["speculative_acceptance"] is None
     assert plain["runs"][-1]["speculation"] == {"method": "off", "draft_model": None,
                                                 "draft_tokens": None}
+    assert "<td>off</td>" in (tmp_path / "plain" / "report.html").read_text()
 
 
 def test_speculation_flags_are_checked_in_one_line(tmp_path):

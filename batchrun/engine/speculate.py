@@ -24,9 +24,10 @@ tokens good ones.
 Rows that report log-probabilities, or have a token to go, propose nothing; a batch holding a
 row with logits processors that look at the tokens (penalties, grammars, thinking budgets), or
 none that may propose, decodes plainly (logit bias and min_tokens depend on positions only: a
-verification applies them at each guessed position, and a draft guesses with them); architectures whose caches cannot be
-cut back (sliding windows, recurrent state) do not speculate, and the log says so once. A
-draft's KV cache is not counted in the engine's memory budget (a draft is meant to be small).
+verification applies them at each guessed position, and a draft guesses with them);
+architectures whose caches cannot be cut back (sliding windows, recurrent state) do not
+speculate, and the log says so once. A draft's KV cache is not counted in the engine's memory
+budget (a draft is meant to be small).
 """
 
 from __future__ import annotations

@@ -812,12 +812,29 @@ def _runs_table(runs: list[dict]) -> str:
             f'<td class="num">{human_rate(r["completion_tokens_per_s"])}</td>'
             f'<td class="num">{human_rate(r["requests_per_s"])}</td>'
             f'<td class="num">{r["mean_batch_size"]:.1f}</td>'
-            f'<td class="num">{human_bytes(r["peak_memory_bytes"])}</td></tr>')
+            f'<td class="num">{human_bytes(r["peak_memory_bytes"])}</td>'
+            f'{_speculation_cell(r)}</tr>')
     return ('<table class="runs"><tr><th>#</th><th>started</th><th>status</th>'
             '<th class="num">done</th><th class="num">failed</th><th class="num">wall</th>'
             '<th class="num" title="generated tokens per second">tok/s</th>'
             '<th class="num">rows/s</th><th class="num" title="mean batch size">batch</th>'
-            f'<th class="num" title="peak memory">memory</th></tr>{"".join(rows)}</table>')
+            '<th class="num" title="peak memory">memory</th>'
+            '<th title="method, guesses a row, share of guesses kept">speculation</th></tr>'
+            f'{"".join(rows)}</table>')
+
+
+def _speculation_cell(run: dict) -> str:
+    """A run's speculation settings and the share of its guesses kept (its draft model in the
+    cell's title); a dash for runs of a batchrun that did not record them."""
+    asked = run.get("speculation") or {}
+    method = asked.get("method")
+    if method in (None, "off"):
+        return f"<td>{method or '–'}</td>"
+    proposed = run.get("speculative_proposed_tokens") or 0
+    kept = f", {run['speculative_accepted_tokens'] / proposed:.0%} kept" if proposed else ""
+    title = f' title="{html.escape(str(asked.get("draft_model")))}"' if method == "draft" else ""
+    text = f"{method} {asked.get('draft_tokens')}{kept}"
+    return f"<td{title}>{html.escape(text)}</td>"
 
 
 def _count(v) -> str:
