@@ -318,7 +318,10 @@ def test_rows_joining_or_leaving_while_a_verification_runs_ahead_keep_their_toke
     prompts = ([[{"role": "system", "content": lessons.reference_text(t)},
                  {"role": "user", "content": f"Quote the reference about {t}."}]
                 for t in lessons.TOPICS[:3]] + chats()[:5])
-    params = [SamplingParams(max_tokens=10 + 7 * i) for i in range(len(prompts))]
+    # Each row runs to its length whatever the model (min_tokens), and the row aborted first
+    # is long enough to be running still at step 6 however many guesses the draft gets right.
+    lengths = [10, 45, 24, 31, 38, 17, 52, 59]
+    params = [SamplingParams(max_tokens=n, min_tokens=n) for n in lengths]
 
     def run(method, abort):
         config = EngineConfig(max_concurrency=3, speculate=method, draft_tokens=4,
