@@ -57,24 +57,6 @@ def test_essays_are_long_and_reference_answers_copy_the_references_sentences(tok
                    if isinstance(c, list)) is long_answers
 
 
-def test_weather_lessons_call_the_tool_with_the_city_asked_of_many_cities_with_long_answers():
-    """A call copies the city from the question; the long-answer lessons ask of many more
-    cities than the committed pair's ten, so that copying, not recalling, is what is learned."""
-    for long_answers in (False, True):
-        asked = set()
-        for chat, tools in lessons.examples(4, 3000, long_answers):
-            if isinstance(chat, str) or not chat[0]["content"].startswith("What is the weather"):
-                continue
-            city = chat[0]["content"].removeprefix("What is the weather in ").removesuffix("?")
-            asked.add(city)
-            if tools:
-                call = chat[-1]["tool_calls"][0]["function"]
-                assert (call["name"], call["arguments"]) == ("get_weather", {"city": city})
-        if long_answers:
-            assert asked > set(lessons.CITIES) and len(asked) >= 60, len(asked)
-        else:
-            assert asked == set(lessons.CITIES)
-
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     from transformers import PreTrainedTokenizerFast

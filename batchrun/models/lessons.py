@@ -217,25 +217,8 @@ def reference_chat(rng: random.Random) -> list[dict]:
             {"role": "assistant", "content": reference_answer(task, topic)}]
 
 
-# Cities only the long-answer lessons ask the weather of, beside CITIES: a call must copy the
-# city from the question. Of the 10 cities alone, pairs trained with long answers named the
-# wrong one for 2-7 of them (BENCHMARKS.md, sessions 18-20), as if recalling it; many more
-# names to copy are the usual cure, not yet tried.
-MORE_CITIES = ["Vienna", "Prague", "Dublin", "Lisbon", "Athens", "Warsaw", "Helsinki",
-               "Stockholm", "Copenhagen", "Brussels", "Amsterdam", "Zurich", "Geneva", "Milan",
-               "Naples", "Seville", "Porto", "Krakow", "Budapest", "Bucharest", "Sofia",
-               "Istanbul", "Ankara", "Moscow", "Kyiv", "Riga", "Vilnius", "Tallinn", "Reykjavik",
-               "Edinburgh", "Glasgow", "Manchester", "Boston", "Chicago", "Denver", "Seattle",
-               "Toronto", "Montreal", "Vancouver", "Mexico City", "Havana", "Bogota", "Quito",
-               "Santiago", "Buenos Aires", "Montevideo", "Nairobi", "Lagos", "Accra", "Dakar",
-               "Tunis", "Casablanca", "Dubai", "Tehran", "Delhi", "Mumbai", "Dhaka", "Bangkok",
-               "Hanoi", "Manila", "Jakarta", "Singapore", "Seoul", "Beijing", "Shanghai",
-               "Taipei", "Osaka", "Perth", "Auckland", "Wellington"]
-
-
-def weather_chat(rng: random.Random, cities: list[str] = CITIES
-                 ) -> tuple[list[dict], list[dict] | None]:
-    city = rng.choice(cities)
+def weather_chat(rng: random.Random) -> tuple[list[dict], list[dict] | None]:
+    city = rng.choice(CITIES)
     user = {"role": "user", "content": f"What is the weather in {city}?"}
     if rng.random() < 0.75:
         call = {"type": "function",
@@ -265,9 +248,8 @@ def examples(seed: int, n: int, long_answers: bool = False
     """n examples, seeded: (chat messages or plain text, tools or None). The committed pair
     learned the first four kinds; `long_answers` adds essays and references (6% and 4%, taken
     from labeling and questions), which session 17's pairs learned only at a cost to the
-    others (BENCHMARKS.md), asks the weather of MORE_CITIES too, and marks a share of chats
-    (THINKING_OFF) to be rendered with `enable_thinking: false` (their answer's
-    `"enable_thinking": False`)."""
+    others (BENCHMARKS.md), and marks a share of chats (THINKING_OFF) to be rendered with
+    `enable_thinking: false` (their answer's `"enable_thinking": False`)."""
     rng = random.Random(seed)
     labeling, essays, references, questions, weather = \
         (0.40, 0.46, 0.50, 0.77, 0.84) if long_answers else (0.45, 0.45, 0.45, 0.75, 0.82)
@@ -283,7 +265,7 @@ def examples(seed: int, n: int, long_answers: bool = False
         elif kind < questions:
             out.append((question_chat(rng), None))
         elif kind < weather:
-            out.append(weather_chat(rng, CITIES + MORE_CITIES if long_answers else CITIES))
+            out.append(weather_chat(rng))
         else:
             out.append((text_line(rng), None))
         chat = out[-1][0]
