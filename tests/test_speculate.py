@@ -801,7 +801,7 @@ def test_a_draft_narrower_than_the_model_adjusts_logits_as_wide_as_the_models():
 
     def adjust(logits, offset):
         seen.append(logits.shape[-1])
-        return logits.at[:, width + 50].add(5.0)  # an id past the draft's own
+        return logits.at[..., width + 50].add(5.0)  # an id past the draft's own
 
     guesses = draft.propose([context[-1]], mx.array([context[-1]]), 3,
                             lambda logprobs, j: mx.argmax(logprobs, axis=-1), adjust)

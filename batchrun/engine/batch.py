@@ -295,13 +295,13 @@ class LeanGenerationBatch(GenerationBatch):
         room = self._room(k)
         choose = self._chooser()
         adjusted = [i for i, p in enumerate(self.logits_processors) if p]
+        adjust = self._adjuster(adjusted) if adjusted else None
         one_time_s = 0.0
         if spec.method == "draft":
             start = time.perf_counter()
             if spec.draft.sync(self.uids, self.tokens):
                 one_time_s = time.perf_counter() - start
-            drafts = spec.draft.propose([t[-1] for t in self.tokens], inputs, k, choose,
-                                        self._adjuster(adjusted) if adjusted else None)
+            drafts = spec.draft.propose([t[-1] for t in self.tokens], inputs, k, choose, adjust)
         else:
             guesses = []
             for i in range(rows):
@@ -316,10 +316,8 @@ class LeanGenerationBatch(GenerationBatch):
                               ).reshape(rows, k)
         logits = self.model(mx.concatenate([inputs[:, None], drafts], axis=1),
                             cache=self.prompt_cache)
-        if adjusted:  # logit bias, min_tokens: what each position's call would do
-            index = mx.array(adjusted)
-            logits[index] = mx.stack([self.logits_processors[i][0].at_positions(logits[i])
-                                      for i in adjusted]).astype(logits.dtype)
+        if adjust is not None:  # logit bias, min_tokens: what each position's call would do
+            logits = adjust(logits, 0)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (rows, k + 1, V)
         choices = mx.stack([choose(logprobs[:, j], j) for j in range(k + 1)], axis=1)
         mx.async_eval(choices, drafts)
@@ -327,15 +325,17 @@ class LeanGenerationBatch(GenerationBatch):
                              one_time_s, inputs.dtype)
 
     def _adjuster(self, adjusted: list[int]) -> Callable[[mx.array, int], mx.array]:
-        """The draft's logits (rows, vocab) at a guess `offset` positions past each row's
-        pending one, with the logit bias and min_tokens of the `adjusted` rows applied as the
-        verification applies them there: a draft guessing without them loses guesses."""
+        """Logits (rows, positions, vocab) of each row's tokens from `offset` past its pending
+        one, with the logit bias and min_tokens of the `adjusted` rows applied as plain
+        decoding's calls there would: the verification's, and the draft's guesses (a draft
+        guessing without them loses guesses)."""
         index = mx.array(adjusted)
         processors = [self.logits_processors[i][0] for i in adjusted]
 
         def adjust(logits: mx.array, offset: int) -> mx.array:
-            logits[index] = mx.concatenate([p.at_positions(logits[i: i + 1], offset)
-                                            for i, p in zip(adjusted, processors, strict=True)])
+            logits[index] = mx.stack([p.at_positions(logits[i], offset)
+                                      for i, p in zip(adjusted, processors, strict=True)]
+                                     ).astype(logits.dtype)
             return logits
         return adjust
 

@@ -221,7 +221,8 @@ class DraftModel:
                 ) -> mx.array:
         """(rows, k) proposals after each row's `pending` token: the draft's choice at each
         position (`pick(logprobs, j)` for the j-th proposal, of the logits `adjust(logits, j)`
-        makes when given: the rows' logit bias and min_tokens), fed back in turn, the first
+        makes of them, (rows, 1, vocab), when given: the rows' logit bias and min_tokens), fed
+        back in turn, the first
         forward taking each row's `last` token in the target's cache (the one this cache lacks)
         and its pending one. Each forward starts on the device as soon as it is built, so the
         host builds the next one (and then the verification) while the device runs it."""
@@ -234,7 +235,7 @@ class DraftModel:
                 short = (self.vocab or 0) - logits.shape[-1]
                 if short > 0:  # the ids a bias or a stop may name, past the draft's: never guessed
                     logits = mx.pad(logits, [(0, 0), (0, short)], constant_values=-mx.inf)
-                logits = adjust(logits, j)
+                logits = adjust(logits[:, None], j)[:, 0]
             token = pick(logits - mx.logsumexp(logits, axis=-1, keepdims=True), j)
             mx.async_eval(token)
             out.append(token)
