@@ -595,8 +595,11 @@ def test_status_and_report_say_damaged_job_files_in_one_line(tmp_path):
     no_path = damaged_copy(job, "no_path", "job.json", lambda m: m["input"].pop("path"))
     bad_status = damaged_copy(job, "bad_status", "report.json",
                               lambda r: r["runs"][-1].update(status=["x"]))
+    bad_speculation = damaged_copy(job, "bad_speculation", "report.json",
+                                   lambda r: r["runs"][-1].update(speculation="x"))
     for folder, said in ((no_path, "job.json is damaged (input.path"),
-                         (bad_status, "report.json is damaged (run 1: status")):
+                         (bad_status, "report.json is damaged (run 1: status"),
+                         (bad_speculation, "report.json is damaged (run 1: speculation")):
         for command in ("status", "report"):
             result = invoke(command, folder)
             assert result.exit_code == 1 and isinstance(result.exception, SystemExit), \

@@ -185,6 +185,12 @@ def run_problem(run: object) -> str | None:
             isinstance(p, list) and len(p) == 4 and all(type(x) in (int, float) for x in p)
             for p in timeline)):
         return "timeline is damaged"
+    speculation = run.get("speculation")  # absent in runs of an earlier batchrun
+    if speculation is not None and not (
+            isinstance(speculation, dict) and isinstance(speculation.get("method"), str)
+            and isinstance(speculation.get("draft_model"), str | None)
+            and type(speculation.get("draft_tokens")) in (int, type(None))):
+        return "speculation is damaged"
     return None
 
 
