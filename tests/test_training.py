@@ -201,9 +201,26 @@ def test_a_pair_trained_from_any_seed_writes_the_demo_models_token_ids(tmp_path,
 
     monkeypatch.setattr(train, "BATCH", 2)
     monkeypatch.setattr(train, "labeling_accuracy", lambda folder: 0.0)  # not this test's
-    train.train_pair(tmp_path / "target", tmp_path / "draft", 1, 3, examples=40)
+    train.train_pair(tmp_path / "target", tmp_path / "draft", 1, 3, examples=40,
+                     target_shape=build.Shape(64, 1, 96, 4, 2))
     for role in ("target", "draft"):
         assert (tmp_path / role / "tokenizer.json").read_bytes() == \
             (RANDOM_DEMO_MODEL / "tokenizer.json").read_bytes()
         config = json.loads((tmp_path / role / "config.json").read_text())
         assert config["batchrun_training"]["seed"] == config["batchrun_seed"] == 3
+    # --target-shape: the target of that shape, the draft as ever
+    config = json.loads((tmp_path / "target" / "config.json").read_text())
+    assert [config[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size",
+                                "num_attention_heads", "num_key_value_heads")] == [64, 1, 96, 4, 2]
+    draft = json.loads((tmp_path / "draft" / "config.json").read_text())
+    assert draft["hidden_size"] == train.SHAPES["draft"].hidden_size
+
+
+@pytest.mark.parametrize("shape", ["256,4,640,8", "256,4,640,7,1", "256,4,640,8,3", "a,b,c,d,e",
+                                   "256,0,640,8,2"])
+def test_a_target_shape_that_cannot_be_built_is_a_usage_error(shape, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        train.main([str(tmp_path / "t"), str(tmp_path / "d"), "--target-shape", shape])
+    assert stop.value.code == 2
+    assert "--target-shape: five positive integers" in capsys.readouterr().err
+    assert not (tmp_path / "t").exists()

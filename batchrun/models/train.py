@@ -6,7 +6,7 @@ initialization and fp32 arithmetic).
 
     python -m batchrun.models.train sample_data/demo-trained sample_data/demo-draft
         [--steps N] [--draft-steps N] [--seed S] [--long-answers]
-        [--more-steps N [--more-lr LR]]
+        [--more-steps N [--more-lr LR]] [--target-shape H,L,I,A,KV]
 
 Each folder is a complete mlx-lm model (the demo tokenizer and chat template of build.py). The
 labeling accuracy on held-out reviews is printed and written to the target's config.json
@@ -177,10 +177,11 @@ def continue_training(model, data: list, steps: int, seed: int, peak_lr: float,
 def train_pair(target_out: Path, draft_out: Path, steps: int, seed: int,
                draft_steps: int | None = None, examples: int = 20000,
                more_steps: int = 0, more_lr: float = PEAK_LR / 3,
-               long_answers: bool = False) -> dict:
+               long_answers: bool = False, target_shape: build.Shape | None = None) -> dict:
     """Train and write both models; the target's held-out labeling accuracy and losses. With
     `more_steps`, the target then trains that many more (a second warm-up and decay, peaking at
-    `more_lr`, batches drawn with seed + 1)."""
+    `more_lr`, batches drawn with seed + 1). `target_shape` replaces SHAPES["target"]."""
+    shapes = {**SHAPES, **({"target": target_shape} if target_shape else {})}
     results = {}
     data = None
     for role, out, n in (("target", target_out, steps), ("draft", draft_out,
@@ -188,7 +189,7 @@ def train_pair(target_out: Path, draft_out: Path, steps: int, seed: int,
         out.mkdir(parents=True, exist_ok=True)
         # The tokenizer stays the demo model's (seed 0) whatever the seed: the seed draws the
         # weights and lessons, and every demo model then writes the same token ids.
-        config = build.model_folder(out, SHAPES[role], seed, f"demo-{role}", tokenizer_seed=0)
+        config = build.model_folder(out, shapes[role], seed, f"demo-{role}", tokenizer_seed=0)
         if data is None:
             from transformers import PreTrainedTokenizerFast
 
@@ -226,10 +227,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--more-lr", type=float, default=PEAK_LR / 3)
     parser.add_argument("--long-answers", action="store_true",
                         help="lessons with essays and answers from a reference too")
+    default = ",".join(map(str, _dims(SHAPES["target"])))
+    parser.add_argument("--target-shape", type=_shape, default=None, metavar="H,L,I,A,KV",
+                        help="the target's hidden size, layers, MLP size, attention heads and "
+                        f"key-value heads (default {default})")
     args = parser.parse_args(argv)
     train_pair(args.target, args.draft, args.steps, args.seed, args.draft_steps,
                more_steps=args.more_steps, more_lr=args.more_lr,
-               long_answers=args.long_answers)
+               long_answers=args.long_answers, target_shape=args.target_shape)
+
+
+def _dims(shape: build.Shape) -> tuple[int, ...]:
+    return (shape.hidden_size, shape.num_hidden_layers, shape.intermediate_size,
+            shape.num_attention_heads, shape.num_key_value_heads)
+
+
+def _shape(text: str) -> build.Shape:
+    try:
+        dims = [int(d) for d in text.split(",")]
+    except ValueError:
+        dims = []
+    if len(dims) != 5 or min(dims) < 1 or dims[0] % dims[3] or dims[3] % dims[4]:
+        raise argparse.ArgumentTypeError(
+            "five positive integers H,L,I,A,KV: H divisible by A, A by KV")
+    return build.Shape(*dims)
 
 
 if __name__ == "__main__":
