@@ -18,7 +18,7 @@ from batchrun.engine.engine import Engine
 from batchrun.engine.request import DEFAULT_DRAFT_TOKENS, Constraint, EngineConfig, SamplingParams
 from batchrun.engine.shared_prefix import SharedPrefix, SharedPrefixBatchCache
 from batchrun.engine.speculate import Speculator, ngram_proposal, rollback
-from batchrun.models import DEMO_DRAFT_MODEL, DEMO_MODEL, lessons, load_model
+from batchrun.models import DEMO_DRAFT_MODEL, DEMO_MODEL, build, lessons, load_model
 
 QUESTIONS = ["Explain photosynthesis in two sentences.", "List three facts about vaccines.",
              "Write a short poem about recursion.", "Give an analogy for black holes.",
@@ -832,3 +832,21 @@ def test_rows_with_min_tokens_or_logit_bias_speculate_to_the_same_tokens(pair, s
     plain, _ = run_rows(pair, prompts, penalized)
     spec, engine = run_rows(pair, prompts, penalized, speculate)
     assert tokens(spec) == tokens(plain) and engine.stats.speculation.steps == 0
+
+
+def test_the_trained_pair_keeps_most_guesses_on_essays_and_n_grams_on_references(pair):
+    """The workloads speculation is for (README: what it gains): the draft guesses the trained
+    demo's essays, and prompt lookup its quotes of a reference in the prompt; most guesses are
+    kept and the tokens are plain decoding's."""
+    topics = build.TOPICS[:4]
+    params = SamplingParams(max_tokens=64)
+    essays = chats([lessons.ESSAY_TASKS[0].format(t=t) for t in topics])
+    quotes = [[{"role": "system", "content": lessons.reference_text(t)},
+               {"role": "user", "content": lessons.REFERENCE_TASKS[2].format(t=t)}]
+              for t in topics]
+    for prompts, kind in ((essays, "draft"), (quotes, "ngram")):
+        plain, _ = generate(pair, prompts, params, concurrency=4)
+        spec, engine = generate(pair, prompts, params, kind, concurrency=4, k=6)
+        assert tokens(spec) == tokens(plain)
+        stats = engine.stats.speculation
+        assert stats.proposed > 0 and stats.accepted > 0.8 * stats.proposed, (kind, stats)
