@@ -355,3 +355,32 @@ def test_a_labeling_run_reports_its_labels_end_to_end(tmp_path):
     assert "labels:" in result_.output and "row errors: missing_prompt 1" in result_.output
     page = (job / "report.html").read_text()
     assert "Labels" in page and "missing_prompt" in page and "http" not in page
+
+
+def test_the_speculation_line_says_what_each_run_asked_and_a_run_with_nothing_to_guess():
+    """The summary names the speculation settings only where every speculating run had the
+    same, and a job whose speculating steps found nothing to guess says so, not "0 of 0"."""
+    def speculating(settings: dict, steps: int, proposed: int, kept: int) -> dict:
+        entry = engine_run("completed", 2.0, 100, 100, rows=5)
+        entry.update(speculation=settings, speculative_steps=steps,
+                     speculative_proposed_tokens=proposed, speculative_accepted_tokens=kept)
+        return entry
+
+    draft = {"method": "draft", "draft_model": "/m/draft", "draft_tokens": 6}
+    ngram = {"method": "ngram", "draft_model": None, "draft_tokens": 4}
+    off = {"method": "off", "draft_model": None, "draft_tokens": None}
+    progress = Progress(rows_done=10, completion_tokens=200)
+
+    def line(*runs):
+        text = rp.summary_text(rp.build_report(manifest(), progress, 10, list(runs), "cpu"))
+        return next((x for x in text.splitlines() if x.startswith("speculation")), None)
+
+    assert line(speculating(draft, 4, 20, 15), speculating(off, 0, 0, 0)) == (
+        "speculation (draft model /m/draft, 6 guesses a row): 15 of 20 guessed tokens kept "
+        "(75%): 15 tokens gained in 4 steps")
+    assert line(speculating(draft, 4, 20, 15), speculating(ngram, 3, 10, 5)) == (
+        "speculation (the runs' settings differ: report.json's runs): 20 of 30 guessed tokens "
+        "kept (67%): 20 tokens gained in 7 steps")
+    assert line(speculating(ngram, 3, 0, 0)) == (
+        "speculation (prompt lookup, 4 guesses a row): nothing to guess in 3 steps")
+    assert line(speculating(off, 0, 0, 0)) is None

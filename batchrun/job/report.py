@@ -536,6 +536,28 @@ def accuracy_text(expected: dict) -> str:
             f"answer{column}: {expected['accuracy']:.1%}")
 
 
+def _speculation_text(report: dict) -> str:
+    """The summary's speculation line: what was asked (the runs' settings, or that they
+    differ) and the guesses kept, over every run of the job."""
+    asked = {tuple(sorted(r["speculation"].items())): r["speculation"]
+             for r in report.get("runs") or []
+             if (r.get("speculation") or {}).get("method", "off") != "off"}
+    how = " (the runs' settings differ: report.json's runs)" if len(asked) > 1 else ""
+    if len(asked) == 1:
+        (one,) = asked.values()
+        how = {"draft": f" (draft model {one.get('draft_model')}, "
+                        f"{one.get('draft_tokens')} guesses a row)",
+               "ngram": f" (prompt lookup, {one.get('draft_tokens')} guesses a row)"}.get(
+            one.get("method"), "")
+    proposed = report["speculative_proposed_tokens"]
+    kept, steps = report["speculative_accepted_tokens"], report["speculative_steps"]
+    if not proposed:
+        return (f"speculation{how}: nothing to guess in {steps:,} step"
+                f"{'s' if steps != 1 else ''}")
+    return (f"speculation{how}: {kept:,} of {proposed:,} guessed tokens kept "
+            f"({kept / proposed:.0%}): {kept:,} tokens gained in {steps:,} steps")
+
+
 def summary_text(report: dict) -> str:
     ttft = report["ttft_p50_s"]
     runs = len(report["runs"])
@@ -554,16 +576,7 @@ def summary_text(report: dict) -> str:
         + (f", TTFT p50 {human_seconds(ttft)}" if ttft is not None else ""),
     ]
     if report.get("speculative_steps"):
-        proposed, kept = report["speculative_proposed_tokens"], report[
-            "speculative_accepted_tokens"]
-        asked = (report["runs"][-1].get("speculation") or {}) if report.get("runs") else {}
-        how = {"draft": f" (draft model {asked.get('draft_model')}, "
-                        f"{asked.get('draft_tokens')} guesses a row)",
-               "ngram": f" (prompt lookup, {asked.get('draft_tokens')} guesses a row)"}.get(
-            asked.get("method"), "")
-        lines.append(f"speculation{how}: {kept:,} of {proposed:,} guessed tokens kept "
-                     f"({kept / max(proposed, 1):.0%}): {kept:,} tokens gained in "
-                     f"{report['speculative_steps']:,} steps")
+        lines.append(_speculation_text(report))
     labels = report.get("labels")
     if labels and labels["rows"]:
         shares = ", ".join(f"{x['label']} {x['rows']:,} ({x['rows'] / labels['rows']:.0%})"
