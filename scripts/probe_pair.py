@@ -27,7 +27,7 @@ from batchrun.cli import cli  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
 from batchrun.engine.reasoning import parse_tool_calls  # noqa: E402
 from batchrun.engine.request import EngineConfig, SamplingParams  # noqa: E402
-from batchrun.models import REPO_ROOT, build, lessons, load_model  # noqa: E402
+from batchrun.models import REPO_ROOT, build, lessons, load_model, train  # noqa: E402
 
 THRESHOLDS = {"labels": 190, "questions": 44, "oslo": 1, "essays": 13, "references": 36}
 
@@ -67,17 +67,7 @@ def questions(target: str, tmp: Path) -> int:
 
 def engine_counts(lm, draft: str) -> dict:
     engine = Engine(lm.model, lm.tokenizer, EngineConfig(prefix_cache=False), lm.context_length)
-    topics = [(task, t) for task in lessons.ESSAY_TASKS for t in build.TOPICS]
-    outs = engine.generate([[{"role": "user", "content": task.format(t=t)}]
-                            for task, t in topics], SamplingParams(max_tokens=256))
-    essays = sum(len(o.token_ids) == 256 and lessons.essay(t).startswith(o.text)
-                 for (_, t), o in zip(topics, outs, strict=True))
-    asked = [(task, t) for t in build.TOPICS for task in lessons.REFERENCE_TASKS]
-    outs = engine.generate([[{"role": "system", "content": lessons.reference_text(t)},
-                             {"role": "user", "content": task.format(t=t)}] for task, t in asked],
-                           SamplingParams(max_tokens=128))
-    quoted = sum(o.text.strip() == lessons.reference_answer(task, t)
-                 for (task, t), o in zip(asked, outs, strict=True))
+    essays, _, quoted, _ = train.long_answers_known(engine)
     tools = [lessons.WEATHER_TOOL]
     cities = []
     ids = [engine.add_request(messages=[{"role": "user", "content":

@@ -233,20 +233,10 @@ def test_the_trained_demo_writes_its_essays_and_quotes_its_references(trained):
     committed pair: 26 of 26 essays, 39 of 39 references; the same recipe from seed 5 got 6
     essays)."""
     from batchrun.engine.engine import Engine
-    from batchrun.engine.request import EngineConfig, SamplingParams
+    from batchrun.engine.request import EngineConfig
 
     engine = Engine(trained.model, trained.tokenizer, EngineConfig(prefix_cache=False),
                     trained.context_length)
-    topics = [(task, t) for task in lessons.ESSAY_TASKS for t in build.TOPICS]
-    outs = engine.generate([[{"role": "user", "content": task.format(t=t)}] for task, t in topics],
-                           SamplingParams(max_tokens=256))
-    essays = sum(len(o.token_ids) == 256 and lessons.essay(t).startswith(o.text)
-                 for (_, t), o in zip(topics, outs, strict=True))
-    asked = [(task, t) for t in build.TOPICS for task in lessons.REFERENCE_TASKS]
-    outs = engine.generate([[{"role": "system", "content": lessons.reference_text(t)},
-                             {"role": "user", "content": task.format(t=t)}] for task, t in asked],
-                           SamplingParams(max_tokens=128))
-    quoted = sum(o.text.strip() == lessons.reference_answer(task, t)
-                 for (task, t), o in zip(asked, outs, strict=True))
-    assert len(topics) == 26 and essays >= 13, essays
-    assert len(asked) == 39 and quoted >= 36, quoted
+    essays, topics, quoted, asked = train.long_answers_known(engine)
+    assert topics == 26 and essays >= 13, essays
+    assert asked == 39 and quoted >= 36, quoted

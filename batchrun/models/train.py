@@ -159,6 +159,26 @@ def labeling_accuracy(folder: Path, rows: int = 200, seed: int = 12345) -> float
     return sum(o.text.strip() == want for o, want in zip(outs, expected, strict=True)) / rows
 
 
+def long_answers_known(engine) -> tuple[int, int, int, int]:
+    """What a pair trained with `long_answers` learned, greedily through `engine`: (essays
+    written right to 256 tokens, essays asked, reference answers quoted word for word,
+    reference questions asked). The demo's test and scripts/probe_pair.py both count so."""
+    from batchrun.engine.request import SamplingParams
+
+    topics = [(task, t) for task in lessons.ESSAY_TASKS for t in build.TOPICS]
+    outs = engine.generate([[{"role": "user", "content": task.format(t=t)}]
+                            for task, t in topics], SamplingParams(max_tokens=256))
+    essays = sum(len(o.token_ids) == 256 and lessons.essay(t).startswith(o.text)
+                 for (_, t), o in zip(topics, outs, strict=True))
+    asked = [(task, t) for t in build.TOPICS for task in lessons.REFERENCE_TASKS]
+    outs = engine.generate([[{"role": "system", "content": lessons.reference_text(t)},
+                             {"role": "user", "content": task.format(t=t)}] for task, t in asked],
+                           SamplingParams(max_tokens=128))
+    quoted = sum(o.text.strip() == lessons.reference_answer(task, t)
+                 for (task, t), o in zip(asked, outs, strict=True))
+    return essays, len(topics), quoted, len(asked)
+
+
 def write_model(out: Path, model, config: dict) -> None:
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
