@@ -384,3 +384,6 @@ def test_the_speculation_line_says_what_each_run_asked_and_a_run_with_nothing_to
     assert line(speculating(ngram, 3, 0, 0)) == (
         "speculation (prompt lookup, 4 guesses a row): nothing to guess in 3 steps")
     assert line(speculating(off, 0, 0, 0)) is None
+    # a key batchrun does not write (a hand-edited report.json) changes nothing
+    assert line(speculating({**draft, "note": ["x"]}, 4, 20, 15)) == line(
+        speculating(draft, 4, 20, 15))

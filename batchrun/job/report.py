@@ -539,8 +539,8 @@ def accuracy_text(expected: dict) -> str:
 def _speculation_text(report: dict) -> str:
     """The summary's speculation line: what was asked (the runs' settings, or that they
     differ) and the guesses kept, over every run of the job."""
-    asked = {tuple(sorted(r["speculation"].items())): r["speculation"]
-             for r in report.get("runs") or []
+    asked = {tuple(r["speculation"].get(k) for k in ("method", "draft_model", "draft_tokens")):
+             r["speculation"] for r in report.get("runs") or []
              if (r.get("speculation") or {}).get("method", "off") != "off"}
     how = " (the runs' settings differ: report.json's runs)" if len(asked) > 1 else ""
     if len(asked) == 1:
