@@ -171,9 +171,11 @@ def described(pids: list[int]) -> list[str]:
     return out
 
 
-def run_until(cmd, env, results: Path, new_lines: int, sig: int | None, group: bool = False):
-    """Run the driver; once `new_lines` more results exist, send it `sig` (to its process group
-    if `group`, as Ctrl-C in a terminal does). Returns (exit code, every process it started)."""
+def run_until(cmd, env, results: Path, new_lines: int, sig: int | None, group: bool = False,
+              ready=lambda: True):
+    """Run the driver; once `new_lines` more results exist and `ready()`, send it `sig` (to its
+    process group if `group`, as Ctrl-C in a terminal does). Returns (exit code, every process
+    it started)."""
     before = len(results.read_bytes().splitlines()) if results.exists() else 0
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
@@ -182,7 +184,7 @@ def run_until(cmd, env, results: Path, new_lines: int, sig: int | None, group: b
     while proc.poll() is None and time.monotonic() < deadline:
         started.update(descendants(proc.pid))
         if sig is not None and results.exists() \
-                and len(results.read_bytes().splitlines()) >= before + new_lines:
+                and len(results.read_bytes().splitlines()) >= before + new_lines and ready():
             break
         time.sleep(0.2)
     started.update(descendants(proc.pid))
@@ -216,7 +218,14 @@ def test_a_local_cluster_ends_with_its_driver_and_a_killed_drivers_leftovers_are
             assert len(started) >= 5  # the cluster: gcs, raylet, agents, workers...
             assert described(still_running(started)) == [], sig
             assert not (job / "ray.json").exists()
-        code, killed = run_until(cmd, env, results, 8, signal.SIGKILL)
+        def committed_once() -> bool:  # rows written are not yet committed; a commit is
+            try:                           # what records the run (busy machines commit late)
+                runs = orjson.loads((job / "report.json").read_bytes())["runs"]
+            except (OSError, ValueError, KeyError):
+                return False
+            return len(runs) == 3
+
+        code, killed = run_until(cmd, env, results, 8, signal.SIGKILL, ready=committed_once)
         assert code == -signal.SIGKILL
         done_before = len(results.read_bytes().splitlines())
         assert 0 < done_before < n - 2
