@@ -7,7 +7,6 @@ well-formed get_weather call naming that city).
     python scripts/probe_demo_lessons.py MODEL_FOLDER
 """
 
-import json
 import sys
 from pathlib import Path
 
@@ -15,9 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import batchrun  # noqa: E402, F401  (BLAS routing before MLX)
 from batchrun.engine.engine import Engine  # noqa: E402
-from batchrun.engine.reasoning import parse_tool_calls  # noqa: E402
 from batchrun.engine.request import EngineConfig, SamplingParams  # noqa: E402
-from batchrun.models import build, lessons, load_model  # noqa: E402
+from batchrun.models import build, lessons, load_model, train  # noqa: E402
 
 
 def main() -> None:
@@ -39,18 +37,8 @@ def main() -> None:
     outs = engine.generate(rows, SamplingParams(max_tokens=128))
     copied = sum(o.text.strip() == a for o, a in zip(outs, answers, strict=True))
     print(f"references copied: {copied} of {len(rows)}")
-    tools = [lessons.WEATHER_TOOL]
-    ids = [engine.add_request(messages=[{"role": "user",
-                                         "content": f"What is the weather in {city}?"}],
-                              tools=tools, params=SamplingParams(max_tokens=32))
-           for city in lessons.CITIES]
-    outs = {o.request_id: o for o in engine.run()}
-    wrong = []
-    for request, city in zip(ids, lessons.CITIES, strict=True):
-        _, calls = parse_tool_calls(outs[request].text, engine.markup, tools)
-        if [(c.name, json.loads(c.arguments)) for c in calls] != [("get_weather",
-                                                                   {"city": city})]:
-            wrong.append(city)
+    right = train.weather_calls_known(engine)
+    wrong = [city for city in lessons.CITIES if city not in right]
     print(f"weather tool calls naming the city asked: {len(lessons.CITIES) - len(wrong)} of "
           f"{len(lessons.CITIES)}; wrong: {wrong}")
 

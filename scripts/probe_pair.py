@@ -25,7 +25,6 @@ from click.testing import CliRunner  # noqa: E402
 
 from batchrun.cli import cli  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
-from batchrun.engine.reasoning import parse_tool_calls  # noqa: E402
 from batchrun.engine.request import EngineConfig, SamplingParams  # noqa: E402
 from batchrun.models import REPO_ROOT, build, lessons, load_model, train  # noqa: E402
 
@@ -68,18 +67,7 @@ def questions(target: str, tmp: Path) -> int:
 def engine_counts(lm, draft: str) -> dict:
     engine = Engine(lm.model, lm.tokenizer, EngineConfig(prefix_cache=False), lm.context_length)
     essays, _, quoted, _ = train.long_answers_known(engine)
-    tools = [lessons.WEATHER_TOOL]
-    cities = []
-    ids = [engine.add_request(messages=[{"role": "user", "content":
-                                         f"What is the weather in {c}?"}],
-                              tools=tools, params=SamplingParams(max_tokens=32))
-           for c in lessons.CITIES]
-    outs = {o.request_id: o for o in engine.run()}
-    for request, city in zip(ids, lessons.CITIES, strict=True):
-        _, calls = parse_tool_calls(outs[request].text, engine.markup, tools)
-        if [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather",
-                                                                   {"city": city})]:
-            cities.append(city)
+    cities = train.weather_calls_known(engine)
     kept = {}
     topics4 = build.TOPICS[:4]
     essays4 = [[{"role": "user", "content": lessons.ESSAY_TASKS[0].format(t=t)}] for t in topics4]

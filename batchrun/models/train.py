@@ -179,6 +179,30 @@ def long_answers_known(engine) -> tuple[int, int, int, int]:
     return essays, len(topics), quoted, len(asked)
 
 
+def weather_calls_known(engine) -> list[str]:
+    """The lesson cities whose weather question, asked through `engine` with the sample tool,
+    gets exactly one well-formed get_weather call naming that city (the demo's test asks
+    Oslo)."""
+    import json
+
+    from batchrun.engine.reasoning import parse_tool_calls
+    from batchrun.engine.request import SamplingParams
+
+    tools = [lessons.WEATHER_TOOL]
+    ids = [engine.add_request(messages=[{"role": "user",
+                                         "content": f"What is the weather in {city}?"}],
+                              tools=tools, params=SamplingParams(max_tokens=32))
+           for city in lessons.CITIES]
+    outs = {o.request_id: o for o in engine.run()}
+    right = []
+    for request, city in zip(ids, lessons.CITIES, strict=True):
+        _, calls = parse_tool_calls(outs[request].text, engine.markup, tools)
+        if [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather",
+                                                                   {"city": city})]:
+            right.append(city)
+    return right
+
+
 def write_model(out: Path, model, config: dict) -> None:
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
