@@ -3,7 +3,7 @@ prefilled once, copied into every row) against batchrun's engine with a cold and
 prefix cache, under engine knobs, repeated so the spread of this shared machine shows.
 
     [OPENBLAS_THREAD_TIMEOUT=28] python scripts/ab_labeling_cpu.py OUT.json [--rows 120]
-        [--reps 3] [--variants default,notails,host4m,notails_host4m]
+        [--reps 3] [--variants default,notails,host4m,notails_host4m,mlx_attention]
 
 OPENBLAS_THREAD_TIMEOUT=28 is OpenBLAS's own default (idle threads spin ~0.1 s); batchrun sets
 4 unless told otherwise. Workload: `batchrun bench`'s labeling rows (a shared 1,000-token
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import batchrun  # noqa: E402, F401  (BLAS routing before MLX)
 from batchrun import bench  # noqa: E402
-from batchrun.engine import shared_prefix, text  # noqa: E402
+from batchrun.engine import host_attention, shared_prefix, text  # noqa: E402
 from batchrun.models import load_model  # noqa: E402
 
 VARIANTS = {
@@ -30,6 +30,7 @@ VARIANTS = {
     "notails": {(text, "SHARED_TAILS"): False},
     "host4m": {(shared_prefix, "HOST_MIN_SCORES"): 1 << 22},  # session 6's NumPy threshold
     "notails_host4m": {(text, "SHARED_TAILS"): False, (shared_prefix, "HOST_MIN_SCORES"): 1 << 22},
+    "mlx_attention": {(host_attention, "ENABLED"): False},  # prefills' attention in MLX
 }
 
 

@@ -27,8 +27,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from batchrun.engine import decode_attention, prefix_attention
+from batchrun.engine import decode_attention, host_attention, prefix_attention
 from batchrun.engine.decode_attention import attend, ranged_attention
+from batchrun.engine.host_attention import softmax_attend
 
 log = logging.getLogger("batchrun")
 # Scores of the prefix part are materialized: row chunks keep them under this many elements.
@@ -241,9 +242,11 @@ def _length(prefix: SharedPrefix | None) -> int:
     return 0 if prefix is None else prefix.length
 
 
-def install(model: Any) -> bool:
-    """Route the model's attention through `attention` (once per model module). False, logged
-    once, for an architecture whose layers do not call the shared attention function."""
+def install(model: Any, warn: bool = True) -> bool:
+    """Route the model's attention through `attention` (once per model module): the shared
+    prefix's, CUDA's decode kernel, the CPU's host attention (host_attention.py). False, logged
+    once unless not `warn`, for an architecture whose layers do not call the shared attention
+    function."""
     layers = getattr(model, "layers", None) or getattr(getattr(model, "model", None),
                                                          "layers", None)
     attention = getattr(layers[0], "self_attn", None) if layers else None
@@ -251,7 +254,7 @@ def install(model: Any) -> bool:
     original = getattr(module, "scaled_dot_product_attention", None) if module else None
     if original is None:
         kind = getattr(getattr(model, "args", None), "model_type", type(model).__name__)
-        if kind not in _refused:
+        if warn and kind not in _refused:
             _refused.add(kind)
             log.warning("%s models do not call mlx-lm's shared attention function: rows "
                         "sharing a prefix each hold a copy of it, and decode steps take a "
@@ -268,6 +271,8 @@ def install(model: Any) -> bool:
                 if sinks is None and decode_attention.serves(queries, keys, values):
                     return ranged_attention(queries, cache.keys, cache.values,
                                             cache.left_padding, scale, cache._idx)[0]
+            if host_attention.serves(queries, keys, cache, sinks):
+                return host_attention.attention(queries, keys, values, scale, mask)
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
         module.scaled_dot_product_attention = routed
@@ -419,15 +424,9 @@ def _attend_prefix_host(q: mx.array, keys_t, values) -> tuple[mx.array, mx.array
         part = qh[start: start + chunk]  # (n, kv_heads, width, D)
         n = part.shape[0]
         flat = part.transpose(1, 0, 2, 3).reshape(kv_heads, n * width, D)
-        scores = flat @ keys_t  # (kv_heads, n*width, length)
-        peak = scores.max(axis=-1, keepdims=True)
-        np.subtract(scores, peak, out=scores)
-        np.exp(scores, out=scores)
-        total = scores.sum(axis=-1, keepdims=True)
-        o = (scores @ values) / total  # (kv_heads, n*width, Dv)
+        o, part_lse = softmax_attend(flat @ keys_t, values)  # (kv_heads, n*width, Dv)
         out[start: start + n] = o.reshape(kv_heads, n, width, -1).transpose(1, 0, 2, 3)
-        lse[start: start + n] = (peak + np.log(total))[..., 0].reshape(
-            kv_heads, n, width).transpose(1, 0, 2)
+        lse[start: start + n] = part_lse.reshape(kv_heads, n, width).transpose(1, 0, 2)
     return mx.array(out), mx.array(lse)
 
 

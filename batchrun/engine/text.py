@@ -18,7 +18,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from batchrun.cache.prefix import Block, PrefixCache
-from batchrun.engine import decode_attention, prefix_attention
+from batchrun.engine import decode_attention, host_attention, prefix_attention
 from batchrun.engine.batch import LeanGenerationBatch, LeanPromptBatch
 from batchrun.engine.nvrtc import compile_ahead
 from batchrun.engine.postprocess import Step
@@ -76,6 +76,8 @@ class TextBackend:
         # every layer's cache is a growing one and the model calls the shared attention.
         self._ranged = (decode_attention.wanted() and all(type(c) is KVCache for c in caches)
                         and install(model))
+        if host_attention.wanted():  # prefills and verifications on the CPU: through NumPy
+            install(model, warn=False)
         if decode_attention.on_cuda():
             self._compile_kernels_ahead()
 
