@@ -6,6 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import BatchKVCache, KVCache
 from test_speculate import generate, tokens
 
 from batchrun.engine import host_attention as ha
@@ -73,16 +74,23 @@ def test_a_query_with_nothing_to_attend_gets_zeros_not_nan():
         assert np.isfinite(out).all() and not out[:, :, 0].any()
 
 
-def test_it_takes_several_queries_a_row_on_the_cpu_only(monkeypatch):
+def test_it_takes_several_queries_a_row_on_the_cpu_with_mlx_lms_masks_only(monkeypatch):
     q, k, v = inputs()
-    one = q[:, :, :1]
-    assert ha.serves(q, k, object(), None)
-    assert not ha.serves(one, k, object(), None)  # a decode step stays in MLX's graph
-    assert not ha.serves(q, k, object(), mx.zeros((6,)))  # attention sinks
+    cache = BatchKVCache([0, 0, 0])
+    assert ha.serves(q, k, KVCache(), None, "causal")
+    assert not ha.serves(q, k, None, None, "causal")  # no cache: maybe traced (training)
+    for mask in masks(3, 7, 40).values():
+        assert ha.serves(q, k, cache, None, mask)
+    assert not ha.serves(q[:, :, :1], k, cache, None, None)  # a decode step stays in MLX
+    assert not ha.serves(q, k, cache, mx.zeros((6,)), None)  # attention sinks
     quantized = type("Quantized", (), {"bits": 4})()
-    assert not ha.serves(q, (k, k, k), quantized, None)
+    assert not ha.serves(q, (k, k, k), quantized, None, None)
+    per_head = mx.zeros((3, 6, 7, 40))  # a mask of its own for each head
+    assert not ha.serves(q, k, cache, None, per_head)
+    assert not ha.serves(q, k, cache, None, mx.zeros((3, 1, 7, 39)))  # not these keys'
+    assert not ha.serves(q, k, cache, None, "sliding")
     monkeypatch.setattr(ha, "ENABLED", False)
-    assert not ha.serves(q, k, object(), None) and not ha.wanted()
+    assert not ha.serves(q, k, cache, None, None) and not ha.wanted()
 
 
 @pytest.mark.parametrize("speculate", ["ngram", "draft"])
@@ -115,3 +123,19 @@ def test_the_engine_prefills_and_verifies_through_it_to_the_same_greedy_tokens(
     verified = [n for n in spec_calls if n <= 6]  # each layer's, in a step that guessed
     assert steps and verified and len(verified) % len(pair.model.layers) == 0
     assert not runs[False, speculate][1]  # off: MLX's attention throughout
+
+
+def test_a_model_trains_and_compiles_in_a_process_whose_engine_routed_its_attention(pair):
+    """The routing is per model module, so it reaches every model of that architecture in the
+    process: a compiled gradient step (training) must not meet NumPy."""
+    import mlx.nn as nn
+
+    generate(pair, [[{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=2))
+    model = pair.model
+    ids = mx.array([[1, 5, 9, 14, 3, 7]])
+
+    def loss(ids):
+        return nn.losses.cross_entropy(model(ids[:, :-1]), ids[:, 1:]).mean()
+
+    value, grads = mx.compile(nn.value_and_grad(model, loss))(ids)
+    assert mx.isfinite(value).item() and grads

@@ -26,6 +26,7 @@ import os
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 # False (or BATCHRUN_HOST_ATTENTION=0): the CPU's attention stays MLX's.
 ENABLED = os.environ.get("BATCHRUN_HOST_ATTENTION", "1") != "0"
@@ -36,12 +37,25 @@ def wanted() -> bool:
     return ENABLED and mx.default_device() == mx.cpu
 
 
-def serves(queries: mx.array, keys, cache, sinks) -> bool:
-    """Whether `attention` takes this call: the CPU, several queries a row, plain float keys
-    (not a quantized cache's tuples) and no attention sinks."""
-    return (ENABLED and queries.ndim == 4 and queries.shape[2] > 1 and sinks is None
-            and isinstance(keys, mx.array) and not hasattr(cache, "bits")
-            and mx.default_device() == mx.cpu)
+def serves(queries: mx.array, keys, cache, sinks, mask) -> bool:
+    """Whether `attention` takes this call: the CPU, several queries a row of a model running
+    with a KV cache (inference: a forward without one may be traced, by `mx.compile` or a
+    gradient, and a traced array has no values for NumPy), plain float keys (not a quantized
+    cache's tuples), no attention sinks, and one of mlx-lm's masks (a mask of its own for each
+    head is left to MLX)."""
+    if not (ENABLED and queries.ndim == 4 and queries.shape[2] > 1 and sinks is None
+            and isinstance(cache, (KVCache, BatchKVCache)) and not hasattr(cache, "bits")
+            and isinstance(keys, mx.array) and keys.ndim == 4
+            and mx.default_device() == mx.cpu):
+        return False
+    if mask is None or isinstance(mask, str):
+        return mask in (None, "causal")
+    B, _, L, _ = queries.shape
+    shape = (B, 1, L, keys.shape[2])
+    try:
+        return isinstance(mask, mx.array) and np.broadcast_shapes(mask.shape, shape) == shape
+    except ValueError:
+        return False
 
 
 def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,

@@ -271,7 +271,7 @@ def install(model: Any, warn: bool = True) -> bool:
                 if sinks is None and decode_attention.serves(queries, keys, values):
                     return ranged_attention(queries, cache.keys, cache.values,
                                             cache.left_padding, scale, cache._idx)[0]
-            if host_attention.serves(queries, keys, cache, sinks):
+            if host_attention.serves(queries, keys, cache, sinks, mask):
                 return host_attention.attention(queries, keys, values, scale, mask)
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
