@@ -51,7 +51,10 @@ def test_it_gives_what_mlx_gives_for_each_mask_mlx_lm_passes(name, heads, kv_hea
     assert mx.allclose(out, expected, atol=1e-5)
 
 
-def test_a_prompts_prefill_and_a_half_precision_model_keep_their_shape_and_dtype():
+@pytest.mark.parametrize("limit", [1 << 24, 1])  # whole; a row and a query at a time
+def test_a_prompts_prefill_and_a_half_precision_model_keep_their_shape_and_dtype(limit,
+                                                                                monkeypatch):
+    monkeypatch.setattr(ha, "MAX_SCORE_ELEMENTS", limit)
     q, k, v = inputs(L=40)  # a prefill: every key is a query's own
     padding = [0, 3, 39]
     mask = create_causal_mask(40, left_padding=mx.array(padding))
@@ -74,23 +77,27 @@ def test_a_query_with_nothing_to_attend_gets_zeros_not_nan():
         assert np.isfinite(out).all() and not out[:, :, 0].any()
 
 
-def test_it_takes_several_queries_a_row_on_the_cpu_with_mlx_lms_masks_only(monkeypatch):
+def test_it_takes_the_engines_forwards_with_several_queries_a_row_and_mlx_lms_masks_only(
+        monkeypatch):
     q, k, v = inputs()
     cache = BatchKVCache([0, 0, 0])
-    assert ha.serves(q, k, KVCache(), None, "causal")
-    assert not ha.serves(q, k, None, None, "causal")  # no cache: maybe traced (training)
-    for mask in masks(3, 7, 40).values():
-        assert ha.serves(q, k, cache, None, mask)
-    assert not ha.serves(q[:, :, :1], k, cache, None, None)  # a decode step stays in MLX
-    assert not ha.serves(q, k, cache, mx.zeros((6,)), None)  # attention sinks
-    quantized = type("Quantized", (), {"bits": 4})()
-    assert not ha.serves(q, (k, k, k), quantized, None, None)
-    per_head = mx.zeros((3, 6, 7, 40))  # a mask of its own for each head
-    assert not ha.serves(q, k, cache, None, per_head)
-    assert not ha.serves(q, k, cache, None, mx.zeros((3, 1, 7, 39)))  # not these keys'
-    assert not ha.serves(q, k, cache, None, "sliding")
-    monkeypatch.setattr(ha, "ENABLED", False)
-    assert not ha.serves(q, k, cache, None, None) and not ha.wanted()
+    assert not ha.serves(q, k, cache, None, None)  # outside the engine's forwards
+    with ha.forwards():
+        for mask in masks(3, 7, 40).values():
+            assert ha.serves(q, k, cache, None, mask)
+        assert ha.serves(q, k, KVCache(), None, "causal")
+        assert not ha.serves(q, k, None, None, "causal")  # no cache
+        assert not ha.serves(q[:, :, :1], k, cache, None, None)  # a decode step stays in MLX
+        assert not ha.serves(q, k, cache, mx.zeros((6,)), None)  # attention sinks
+        quantized = type("Quantized", (), {"bits": 4})()
+        assert not ha.serves(q, (k, k, k), quantized, None, None)
+        per_head = mx.zeros((3, 6, 7, 40))  # a mask of its own for each head
+        assert not ha.serves(q, k, cache, None, per_head)
+        assert not ha.serves(q, k, cache, None, mx.zeros((3, 1, 7, 39)))  # not these keys'
+        assert not ha.serves(q, k, cache, None, "sliding")
+        monkeypatch.setattr(ha, "ENABLED", False)
+        assert not ha.serves(q, k, cache, None, None) and not ha.wanted()
+    assert not ha._in_forwards.get()
 
 
 @pytest.mark.parametrize("speculate", ["ngram", "draft"])
@@ -125,17 +132,30 @@ def test_the_engine_prefills_and_verifies_through_it_to_the_same_greedy_tokens(
     assert not runs[False, speculate][1]  # off: MLX's attention throughout
 
 
-def test_a_model_trains_and_compiles_in_a_process_whose_engine_routed_its_attention(pair):
+def test_a_process_whose_engine_routed_the_attention_keeps_mlxs_outside_the_engine(pair):
     """The routing is per model module, so it reaches every model of that architecture in the
-    process: a compiled gradient step (training) must not meet NumPy."""
+    process; outside the engine's forwards MLX's attention runs as before: a user's cached
+    forward gives the same logits bit for bit, its gradient reaches the attention's
+    projections (NumPy would cut it), and it compiles (NumPy cannot read a traced array)."""
     import mlx.nn as nn
+    from mlx_lm.models.cache import make_prompt_cache
 
-    generate(pair, [[{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=2))
     model = pair.model
-    ids = mx.array([[1, 5, 9, 14, 3, 7]])
+    ids = mx.array([[1, 5, 9, 14, 3, 7, 2, 4]])
 
     def loss(ids):
-        return nn.losses.cross_entropy(model(ids[:, :-1]), ids[:, 1:]).mean()
+        logits = model(ids[:, :-1], cache=make_prompt_cache(model))
+        return nn.losses.cross_entropy(logits, ids[:, 1:]).mean()
 
-    value, grads = mx.compile(nn.value_and_grad(model, loss))(ids)
-    assert mx.isfinite(value).item() and grads
+    def run():
+        logits = model(ids, cache=make_prompt_cache(model))
+        value, grads = nn.value_and_grad(model, loss)(ids)
+        q_grad = grads["model"]["layers"][0]["self_attn"]["q_proj"]["weight"]
+        return logits, value, mx.abs(q_grad).sum().item(), mx.compile(loss)(ids)
+
+    before = run()
+    generate(pair, [[{"role": "user", "content": "Hi there"}]], SamplingParams(max_tokens=2))
+    after = run()
+    assert mx.array_equal(before[0], after[0]) and mx.array_equal(before[1], after[1])
+    assert after[2] == before[2] > 0
+    assert mx.allclose(after[3], before[3])
