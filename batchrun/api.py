@@ -581,15 +581,21 @@ def _generation_config(model: str | None) -> dict:
     elif path.is_absolute() or name.startswith((".", "~")):
         return {}  # a local folder that is not there: loading the model says so
     else:
-        from huggingface_hub import hf_hub_download
+        from huggingface_hub import hf_hub_download, try_to_load_from_cache
 
         from batchrun.models import hub_unreachable
 
+        # The cache alone: hf_hub_download(local_files_only=True) builds its request headers
+        # first, which fetches the Hub's agent registry (huggingface_hub 2.4) over the network.
         try:
-            file = Path(hf_hub_download(name, "generation_config.json", local_files_only=True))
-        except Exception:
-            if hub_unreachable():  # loading the model says so, without the download's retries
-                return {}
+            cached = try_to_load_from_cache(name, "generation_config.json")
+        except Exception:  # not a repository id the cache could hold
+            return {}
+        if isinstance(cached, str):
+            file = Path(cached)
+        elif cached is not None or hub_unreachable():  # the cache knows there is none; or
+            return {}  # the Hub cannot be reached: loading the model says so, without retries
+        else:
             try:
                 file = Path(hf_hub_download(name, "generation_config.json"))
             except Exception:  # none, or unreachable: loading the model says why if it matters

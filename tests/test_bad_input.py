@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from batchrun import models
 from batchrun.cli import cli
 from batchrun.engine.prompt import PromptBuilder
 from batchrun.io.jsonl import is_gzip_header, read_jsonl
@@ -156,8 +157,11 @@ def test_a_model_id_the_hub_cannot_serve_is_one_line_without_retries(tmp_path, m
         monkeypatch.delenv(proxy, raising=False)  # behind a proxy, the name is its to resolve
     resolve = socket.getaddrinfo
 
+    resolved = []
+
     def no_hub(host, *args, **kw):  # no packet leaves for the Hub's name
         if host == hub_host:
+            resolved.append(host)
             raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
         return resolve(host, *args, **kw)
 
@@ -171,10 +175,13 @@ def test_a_model_id_the_hub_cannot_serve_is_one_line_without_retries(tmp_path, m
     caplog.set_level("WARNING")
     monkeypatch.setattr(socket, "getaddrinfo", no_hub)
     for flag in ("--model", "--draft-model"):
+        monkeypatch.setattr(models, "_hub_resolved", {})
+        resolved.clear()
         line = run_with(flag, "j1")
         assert "nobody/no-such-model is neither a local folder nor in the local Hugging Face " \
                "cache, and the Hugging Face Hub cannot be reached (huggingface.test does not " \
                "resolve: Name or service not known)" in line, line
+        assert resolved == [hub_host]  # once a run: its sampling defaults, then its model
     monkeypatch.setattr(socket, "getaddrinfo", resolve)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert "(HF_HUB_OFFLINE is set)" in run_with("--model", "j2")
@@ -204,7 +211,10 @@ def test_a_model_id_the_hub_cannot_serve_is_one_line_without_retries(tmp_path, m
         httpd.server_close()
     assert line.startswith("Error: nobody/no-such-model could not be fetched from the Hugging "
                            "Face Hub: "), line
-    assert asked and all("nobody/no-such-model" in path for path in asked)
+    # the model's files only, and huggingface_hub's agent registry (fetched with its first
+    # request's headers, a download's)
+    assert asked and all("nobody/no-such-model" in path for path in asked
+                         if path != "/api/agent-harnesses")
     assert "Retrying" not in caplog.text  # no download waited to try again
 
 

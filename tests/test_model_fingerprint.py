@@ -96,3 +96,30 @@ def test_the_ray_driver_fingerprints_the_same_snapshot(hub):
                             env=os.environ.copy(), check=True).stdout
     assert loaded == model_fingerprint(local_path(REPO))
     assert orjson.dumps(loaded)  # a hex digest
+
+
+def test_a_cached_hub_id_runs_without_a_packet_for_the_hub(hub, tmp_path, monkeypatch):
+    """With the network allowed (not HF_HUB_OFFLINE), a model the hub cache holds is read from
+    there: no name resolved, so no request (huggingface_hub's download functions, even told
+    local_files_only, build request headers that fetch the Hub's agent registry)."""
+    import socket
+
+    import huggingface_hub.constants as hf
+    from huggingface_hub.utils import _detect_agent
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(hf, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hf, "AGENT_HARNESSES_PATH", str(tmp_path / "no-registry.json"))
+    monkeypatch.setattr(_detect_agent, "_registry", None)  # not fetched yet in this process
+    resolved = []
+
+    def no_network(host, *args, **kwargs):
+        resolved.append(host)
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_network)
+    rows = write_rows(tmp_path / "rows.jsonl", [{"custom_id": "r0", "prompt": "hi",
+                                                 "max_tokens": 3}])
+    run(rows, "--model", REPO, "--job-dir", tmp_path / "job")
+    assert jsonl(tmp_path / "job" / "results.jsonl")[0]["custom_id"] == "r0"
+    assert resolved == []

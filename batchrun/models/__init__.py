@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -157,11 +158,21 @@ def hub_unreachable() -> str | None:
         return f"HF_ENDPOINT {constants.ENDPOINT!r} names no host"
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return None  # the proxy resolves the name, not this machine
+    checked = _hub_resolved.get(host)
+    if checked and time.monotonic() - checked[0] < HUB_CHECK_SECONDS:
+        return checked[1]  # a run asks twice (the sampling defaults, then the model)
     try:
         socket.getaddrinfo(host, None)
+        why = None
     except OSError as e:
-        return f"{host} does not resolve: {e.strerror or e}"
-    return None
+        why = f"{host} does not resolve: {e.strerror or e}"
+    _hub_resolved[host] = (time.monotonic(), why)
+    return why
+
+
+# hub_unreachable's answer for a host is kept this long: one run's checks resolve it once.
+HUB_CHECK_SECONDS = 60.0
+_hub_resolved: dict[str, tuple[float, str | None]] = {}
 
 
 def _first_line(e: BaseException) -> str:
