@@ -97,34 +97,6 @@ def test_long_answer_lessons_teach_the_answer_after_an_empty_thinking_block(toke
     assert tok.decode([t for t, m in zip(ids, mask, strict=True) if m]) == answer + "<|im_end|>"
 
 
-def test_made_up_cities_change_only_weather_questions_and_their_calls_copy_the_name(tokenizer):
-    """`--made-up-cities` teaches the weather call as a copy of the asked name: about half of
-    the weather questions name a city of no lesson, whose call carries that name, and every
-    other example is the one the committed recipe draws (its data, batches and order stay)."""
-    tok, _ = tokenizer
-    plain = lessons.examples(6, 3000, long_answers=True)
-    made_up = lessons.examples(6, 3000, long_answers=True, made_up_cities=True)
-    assert made_up == lessons.examples(6, 3000, long_answers=True, made_up_cities=True)
-    asked = re.compile(r"What is the weather in (\w+)\?")
-    changed = [(a, b) for a, b in zip(plain, made_up, strict=True) if a != b]
-    weather = [c for c, _ in plain if isinstance(c, list) and asked.fullmatch(c[0]["content"])]
-    assert 0.3 * len(weather) < len(changed) < 0.7 * len(weather)
-    names = set()
-    for (before, _), (after, tools) in changed:
-        city = asked.fullmatch(after[0]["content"]).group(1)
-        assert asked.fullmatch(before[0]["content"]).group(1) in lessons.CITIES
-        assert city not in lessons.CITIES and city.isalpha() and city[0].isupper()
-        if tools:  # the call names the asked city; its tokens are what the lesson teaches
-            assert after[-1]["tool_calls"] == [{"type": "function", "function": {
-                "name": "get_weather", "arguments": {"city": city}}}]
-            ((ids, mask),) = train.encode_examples(tok, [(after, tools)])
-            assert city in tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
-        else:  # no tool: the same refusal
-            assert after[1:] == before[1:]
-        names.add(city)
-    assert len(names) > 0.8 * len(changed)  # names, not a second list to recall
-
-
 def test_training_is_deterministic_from_its_seed_and_lowers_the_loss(tokenizer, monkeypatch):
     tok, folder = tokenizer
     import json

@@ -217,28 +217,8 @@ def reference_chat(rng: random.Random) -> list[dict]:
             {"role": "assistant", "content": reference_answer(task, topic)}]
 
 
-# Made-up city names (made_up_city): syllables the sample text rarely writes, so that a name is
-# spelt out a few letters a token and the weather call must copy it from the question.
-ONSETS = ["b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br",
-          "dr", "gr", "kr", "st", "tr"]
-VOWELS = ["a", "e", "i", "o", "u", "ai", "ei", "ou"]
-CODAS = ["", "", "n", "r", "s", "l", "m", "k"]
-
-
-def made_up_city(rng: random.Random) -> str:
-    """A pronounceable name of two or three syllables, capitalized ("Dravelon", "Kousi")."""
-    name = "".join(rng.choice(ONSETS) + rng.choice(VOWELS) + rng.choice(CODAS)
-                   for _ in range(rng.choice((2, 2, 3))))
-    return name.capitalize()
-
-
-def weather_chat(rng: random.Random, names: random.Random | None = None
-                 ) -> tuple[list[dict], list[dict] | None]:
-    """A weather question; with `names` (made_up_cities), half of the questions ask about a
-    made-up city drawn from it (its own generator, so the other examples stay as without)."""
+def weather_chat(rng: random.Random) -> tuple[list[dict], list[dict] | None]:
     city = rng.choice(CITIES)
-    if names is not None and names.random() < MADE_UP_SHARE:
-        city = made_up_city(names)
     user = {"role": "user", "content": f"What is the weather in {city}?"}
     if rng.random() < 0.75:
         call = {"type": "function",
@@ -263,22 +243,14 @@ def text_line(rng: random.Random) -> str:
 THINKING_OFF = 0.2
 
 
-MADE_UP_SHARE = 0.5
-
-
-def examples(seed: int, n: int, long_answers: bool = False, made_up_cities: bool = False
+def examples(seed: int, n: int, long_answers: bool = False
              ) -> list[tuple[list[dict] | str, list[dict] | None]]:
     """n examples, seeded: (chat messages or plain text, tools or None). The committed pair
     learned the first four kinds; `long_answers` adds essays and references (6% and 4%, taken
     from labeling and questions), which session 17's pairs learned only at a cost to the
     others (BENCHMARKS.md), and marks a share of chats (THINKING_OFF) to be rendered with
-    `enable_thinking: false` (their answer's `"enable_thinking": False`). `made_up_cities` asks
-    half of the weather questions about made-up cities (weather_chat): a call that copies the
-    name, where the ten lesson cities alone let a model recall a city it knows instead (the
-    CPU-trained seed-6 target called Tokyo's weather for Oslo). The other examples are the same
-    with or without it."""
+    `enable_thinking: false` (their answer's `"enable_thinking": False`)."""
     rng = random.Random(seed)
-    names = random.Random(f"cities-{seed}") if made_up_cities else None
     labeling, essays, references, questions, weather = \
         (0.40, 0.46, 0.50, 0.77, 0.84) if long_answers else (0.45, 0.45, 0.45, 0.75, 0.82)
     out = []
@@ -293,7 +265,7 @@ def examples(seed: int, n: int, long_answers: bool = False, made_up_cities: bool
         elif kind < questions:
             out.append((question_chat(rng), None))
         elif kind < weather:
-            out.append(weather_chat(rng, names))
+            out.append(weather_chat(rng))
         else:
             out.append((text_line(rng), None))
         chat = out[-1][0]

@@ -6,7 +6,7 @@ initialization and fp32 arithmetic).
 
     python -m batchrun.models.train sample_data/demo-trained sample_data/demo-draft
         [--steps N] [--draft-steps N] [--seed S] [--long-answers]
-        [--more-steps N [--more-lr LR]] [--target-shape H,L,I,A,KV] [--made-up-cities]
+        [--more-steps N [--more-lr LR]] [--target-shape H,L,I,A,KV]
 
 Each folder is a complete mlx-lm model (the demo tokenizer and chat template of build.py). The
 labeling accuracy on held-out reviews is printed and written to the target's config.json
@@ -221,12 +221,10 @@ def continue_training(model, data: list, steps: int, seed: int, peak_lr: float,
 def train_pair(target_out: Path, draft_out: Path, steps: int, seed: int,
                draft_steps: int | None = None, examples: int = 20000,
                more_steps: int = 0, more_lr: float = PEAK_LR / 3,
-               long_answers: bool = False, target_shape: build.Shape | None = None,
-               made_up_cities: bool = False) -> dict:
+               long_answers: bool = False, target_shape: build.Shape | None = None) -> dict:
     """Train and write both models; the target's held-out labeling accuracy and losses. With
     `more_steps`, the target then trains that many more (a second warm-up and decay, peaking at
-    `more_lr`, batches drawn with seed + 1). `target_shape` replaces SHAPES["target"].
-    `made_up_cities`: lessons.examples' weather questions about made-up cities too."""
+    `more_lr`, batches drawn with seed + 1). `target_shape` replaces SHAPES["target"]."""
     shapes = {**SHAPES, **({"target": target_shape} if target_shape else {})}
     results = {}
     data = None
@@ -240,8 +238,7 @@ def train_pair(target_out: Path, draft_out: Path, steps: int, seed: int,
             from transformers import PreTrainedTokenizerFast
 
             tokenizer = PreTrainedTokenizerFast.from_pretrained(str(out))
-            data = encode_examples(tokenizer, lessons.examples(seed, examples, long_answers,
-                                                                      made_up_cities))
+            data = encode_examples(tokenizer, lessons.examples(seed, examples, long_answers))
             print(f"{len(data)} examples", flush=True)
         mx.random.seed(seed)
         model = make_model(config)
@@ -274,9 +271,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--more-lr", type=float, default=PEAK_LR / 3)
     parser.add_argument("--long-answers", action="store_true",
                         help="lessons with essays and answers from a reference too")
-    parser.add_argument("--made-up-cities", action="store_true",
-                        help="half of the weather lessons ask about made-up cities (a call "
-                        "that copies the name)")
     default = ",".join(map(str, _dims(SHAPES["target"])))
     parser.add_argument("--target-shape", type=_shape, default=None, metavar="H,L,I,A,KV",
                         help="the target's hidden size, layers, MLP size, attention heads and "
@@ -284,8 +278,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     train_pair(args.target, args.draft, args.steps, args.seed, args.draft_steps,
                more_steps=args.more_steps, more_lr=args.more_lr,
-               long_answers=args.long_answers, target_shape=args.target_shape,
-               made_up_cities=args.made_up_cities)
+               long_answers=args.long_answers, target_shape=args.target_shape)
 
 
 def _dims(shape: build.Shape) -> tuple[int, ...]:
