@@ -159,3 +159,40 @@ def test_a_process_whose_engine_routed_the_attention_keeps_mlxs_outside_the_engi
     assert mx.array_equal(before[0], after[0]) and mx.array_equal(before[1], after[1])
     assert after[2] == before[2] > 0
     assert mx.allclose(after[3], before[3])
+
+
+def test_a_choices_rows_scoring_goes_through_it_to_the_same_answer(pair, monkeypatch):
+    """Every forward of an engine step takes it, a choices row's scoring of its multi-token
+    choices (after the batch's step) too: the same answers and choice log-probabilities."""
+    from batchrun.engine import engine as engine_module
+    from batchrun.engine.constrain import Constraint
+    from batchrun.engine.engine import Engine
+    from batchrun.engine.request import EngineConfig
+
+    choices = ["positive", "negative", "neutral", "mixed feelings"]
+    scoring, calls = [False], []
+    answer = engine_module.answer_choice
+
+    def answering(*args):
+        scoring[0] = True
+        try:
+            return answer(*args)
+        finally:
+            scoring[0] = False
+
+    attention = ha.attention
+    monkeypatch.setattr(engine_module, "answer_choice", answering)
+    monkeypatch.setattr(ha, "attention", lambda q, *a: (scoring[0] and calls.append(q.shape))
+                        or attention(q, *a))
+    outs = {}
+    for on in (True, False):
+        monkeypatch.setattr(ha, "ENABLED", on)
+        engine = Engine(pair.model, pair.tokenizer, EngineConfig(prefix_cache=False),
+                        pair.context_length)
+        prompts = [f"Review: it is {w}. Sentiment:" for w in ("great", "awful", "fine")]
+        outs[on] = [(o.text, o.choice_logprobs) for o in engine.generate(
+            prompts, SamplingParams(constraint=Constraint.choices(choices)))]
+    assert [t for t, _ in outs[True]] == [t for t, _ in outs[False]]
+    for (_, with_numpy), (_, with_mlx) in zip(outs[True], outs[False], strict=True):
+        assert with_numpy == pytest.approx(with_mlx, abs=1e-4)
+    assert calls  # the multi-token choice's forward, with the feature on

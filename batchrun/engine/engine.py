@@ -26,6 +26,7 @@ from typing import Any
 import mlx.core as mx
 
 from batchrun.cache.prefix import Block, PrefixCache
+from batchrun.engine import host_attention
 from batchrun.engine.backend import Backend
 from batchrun.engine.cache_control import CacheControl
 from batchrun.engine.choices import answer_choice
@@ -329,6 +330,10 @@ class Engine(Requests, CacheControl):
 
     def step(self) -> list[Output]:
         """Admit what fits, run one backend step; return the requests that finished."""
+        with host_attention.forwards():  # the CPU's prefills, verifications, choices' scoring
+            return self._step()
+
+    def _step(self) -> list[Output]:
         self._admit()
         if self.scheduler.running:
             start = time.perf_counter()

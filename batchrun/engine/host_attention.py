@@ -4,9 +4,10 @@ MLX 0.32's CPU backend computes `exp` one element at a time (~12-16 ns an elemen
 CPU here), and its attention on the CPU is unfused (scores, mask, softmax, values as separate
 ops), so with a few queries a row the softmax is most of a layer's attention: at 8 rows x 300
 keys x 7 queries, 1.2 of its 1.75 ms. NumPy's `exp` is vectorized, and its matmuls go to
-OpenBLAS too. So on the CPU every attention call of the engine's own forwards (`forwards()`:
-the batch's steps and prefills, a prefix's computation) with more than one query a row (a
-prompt's prefill, a speculative step's verification) goes through `attention` here; a decode
+OpenBLAS too. So on the CPU every attention call of the engine's own forwards (`forwards()`,
+around `Engine.step`: the batch's prefills and steps, a shared prefix's computation, a choices
+row's scoring) with more than one query a row (a prompt's prefill, a speculative step's
+verification) goes through `attention` here; a decode
 step (one query a row) stays in MLX, whose graph a NumPy round trip would cut in two
 (measured: plain decoding 1.3x slower so). The routing is per model module (shared_prefix's
 `install`), so it would reach any forward of that architecture in the process: outside

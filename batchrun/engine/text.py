@@ -254,17 +254,15 @@ class TextBackend:
         """Prefill the row's first `upto` tokens on its own (after `blocks`, their first part
         already cached); each layer's (keys, values) over all of them."""
         tokens = seq.prompt[:upto]
-        with host_attention.forwards():
-            if self.shares_prefix and mx.default_device() == mx.cpu:
-                return self._compute_in_steps(tokens, blocks)
-            caches = PrefixCache.to_kv_caches(blocks) if blocks else \
-                make_prompt_cache(self.model)
-            done = caches[0].offset
-            while done < len(tokens):
-                chunk = tokens[done: done + self._prefill_step]
-                self.model(mx.array(chunk)[None], cache=caches)
-                mx.eval([c.state for c in caches])
-                done += len(chunk)
+        if self.shares_prefix and mx.default_device() == mx.cpu:
+            return self._compute_in_steps(tokens, blocks)
+        caches = PrefixCache.to_kv_caches(blocks) if blocks else make_prompt_cache(self.model)
+        done = caches[0].offset
+        while done < len(tokens):
+            chunk = tokens[done: done + self._prefill_step]
+            self.model(mx.array(chunk)[None], cache=caches)
+            mx.eval([c.state for c in caches])
+            done += len(chunk)
         return [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
 
     def _compute_in_steps(self, tokens: list[int], blocks: list[Block]) -> list[tuple]:
@@ -296,8 +294,7 @@ class TextBackend:
         return StopSequences([(t,) for t in (*self.eos, *params.stop_token_ids)])
 
     def next(self) -> tuple[bool, list[Step]]:
-        with host_attention.forwards():  # prefills and verifications on the CPU: NumPy's
-            prompt_work, responses = self._gen.next()
+        prompt_work, responses = self._gen.next()
         if prompt_work and self._speculator is not None:  # a prefill after the step: not its
             self._speculator.discard()
         return bool(prompt_work), [Step(r.uid, r.token, r.finish_reason, r.logprobs)
