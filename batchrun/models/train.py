@@ -2,7 +2,9 @@
 shares its tokenizer, both from lessons.py (labeling the sample reviews, answering the sample
 questions, calling the sample weather tool, plain text; with --long-answers also essays and
 answers from a reference). Deterministic from the seed on one machine (the same data order,
-initialization and fp32 arithmetic).
+initialization and fp32 arithmetic). Each step packs its examples into rows and computes exp
+with multiplies and adds (train_kernels.py): about twice as fast on this CPU as padding each
+example and MLX's scalar exp, with the same losses to three decimals.
 
     python -m batchrun.models.train sample_data/demo-trained sample_data/demo-draft
         [--steps N] [--draft-steps N] [--seed S] [--long-answers]
@@ -30,14 +32,14 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
-from batchrun.models import build, lessons
+from batchrun.models import build, lessons, train_kernels
 
 SHAPES = {
     "target": build.Shape(192, 4, 512, 6, 2),
     "draft": build.Shape(96, 1, 256, 3, 1),  # one layer: a draft forward is mostly per-op cost
 }
 BATCH = 16
-LENGTH_STEP = 32  # batches are padded to a multiple of this (few shapes to compile)
+LENGTH_STEP = 32  # rows are as wide as their group's bound, rounded up to a multiple of this
 MAX_LENGTH = 480  # the essays' 300-440 tokens and their question
 GROUPS = (256, MAX_LENGTH)  # batches' length groups (upper bounds)
 PEAK_LR = 3e-3
@@ -75,25 +77,50 @@ def encode_examples(tokenizer, examples) -> list[tuple[list[int], list[int]]]:
 
 
 def batches(data: list, steps: int, seed: int):
-    """`steps` batches of BATCH examples, padded (mask 0) to a multiple of LENGTH_STEP. Examples
-    are grouped by length (GROUPS: a long essay does not pad 15 short chats), each batch's group
-    drawn in proportion to the examples it holds. The short lessons of every kind mix in one
-    group, as every lesson did before the essays: the two tries with finer groups (session 17,
-    with other lessons too, so not the groups' doing alone; BENCHMARKS.md) labeled 82-88% of
-    held-out reviews."""
+    """`steps` batches of BATCH examples: (ids, loss mask, segment ids), each of (rows, width).
+    Examples are grouped by length (GROUPS: a long essay does not pad 15 short chats), each
+    batch's group drawn in proportion to the examples it holds. The short lessons of every kind
+    mix in one group, as every lesson did before the essays: the two tries with finer groups
+    (session 17, with other lessons too, so not the groups' doing alone; BENCHMARKS.md) labeled
+    82-88% of held-out reviews. A batch's examples are packed into rows as wide as their group's
+    bound (first fit, longest first; segment ids 1, 2, ... a row, 0 for padding), where padding
+    each to the longest had doubled the tokens computed."""
     rng = random.Random(seed)
-    bounds = zip((0, *GROUPS[:-1]), GROUPS, strict=True)
-    groups = [g for g in ([ex for ex in data if low < len(ex[0]) <= high]
-                          for low, high in bounds) if g]
-    sizes = [len(g) for g in groups]
+    groups = []  # (examples, row width)
+    for low, high in zip((0, *GROUPS[:-1]), GROUPS, strict=True):
+        members = [ex for ex in data if low < len(ex[0]) <= high]
+        if members:
+            groups.append((members, _padded(high)))
+    sizes = [len(g) for g, _ in groups]
     for _ in range(steps):
         # one group (the lessons without long answers): batches drawn as before groups were
-        group = groups[0] if len(groups) == 1 else rng.choices(groups, weights=sizes)[0]
+        group, width = groups[0] if len(groups) == 1 else rng.choices(groups, weights=sizes)[0]
         chosen = rng.sample(group, min(BATCH, len(group)))
-        width = _padded(max(len(ids) for ids, _ in chosen))
-        ids = [row + [0] * (width - len(row)) for row, _ in chosen]
-        mask = [m + [0] * (width - len(m)) for _, m in chosen]
-        yield mx.array(ids), mx.array(mask, mx.float32)
+        rows = pack([len(ids) for ids, _ in chosen], width)
+        ids, mask, segments = [], [], []
+        for row in rows:
+            ids.append([t for i in row for t in chosen[i][0]])
+            mask.append([m for i in row for m in chosen[i][1]])
+            segments.append([n for n, i in enumerate(row, 1) for _ in chosen[i][0]])
+            for column in (ids[-1], mask[-1], segments[-1]):
+                column.extend([0] * (width - len(column)))
+        yield mx.array(ids), mx.array(mask, mx.float32), mx.array(segments)
+
+
+def pack(lengths: list[int], width: int) -> list[list[int]]:
+    """Indices of `lengths` in rows of at most `width` tokens: first fit, longest first (ties in
+    order), each row's indices in the order they were placed."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        slot = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
+        if slot is None:
+            rows.append([])
+            room.append(width)
+            slot = len(rows) - 1
+        rows[slot].append(i)
+        room[slot] -= lengths[i]
+    return rows
 
 
 def _padded(length: int) -> int:
@@ -106,6 +133,17 @@ def make_model(config: dict):
     return llama.Model(llama.ModelArgs.from_dict(config))
 
 
+def batch_loss(model, ids: mx.array, mask: mx.array, segments: mx.array) -> mx.array:
+    """Mean next-token cross-entropy over a batch's taught tokens (batches' arrays; the model's
+    attention and SwiGLU train_kernels.installed)."""
+    logits = train_kernels.forward(model, ids[:, :-1],
+                                   train_kernels.segment_mask(segments[:, :-1]))
+    losses = train_kernels.cross_entropy(logits, ids[:, 1:])
+    # a packed row's next example is not a target of the one before it
+    weights = mask[:, 1:] * (segments[:, 1:] == segments[:, :-1])
+    return (losses * weights).sum() / mx.maximum(weights.sum(), 1)
+
+
 def train(model, data: list, steps: int, seed: int, log_every: int = 50,
           peak_lr: float = PEAK_LR) -> float:
     """Next-token cross-entropy on the masked tokens, AdamW with warm-up and cosine decay;
@@ -115,30 +153,25 @@ def train(model, data: list, steps: int, seed: int, log_every: int = 50,
          optim.cosine_decay(peak_lr, max(1, steps - WARMUP), peak_lr / 20)], [WARMUP])
     optimizer = optim.AdamW(learning_rate=schedule, weight_decay=0.01)
 
-    def loss_fn(model, ids, mask):
-        logits = model(ids[:, :-1])
-        losses = nn.losses.cross_entropy(logits, ids[:, 1:], reduction="none")
-        weights = mask[:, 1:]
-        return (losses * weights).sum() / mx.maximum(weights.sum(), 1)
-
-    grad = nn.value_and_grad(model, loss_fn)
+    grad = nn.value_and_grad(model, batch_loss)
     state = [model.state, optimizer.state]
 
-    def step(ids, mask):
-        loss, grads = grad(model, ids, mask)
+    def step(ids, mask, segments):
+        loss, grads = grad(model, ids, mask, segments)
         optimizer.update(model, grads)
         return loss
 
     step = mx.compile(step, inputs=state, outputs=state)
     start, recent = time.perf_counter(), []
-    for i, (ids, mask) in enumerate(batches(data, steps, seed), 1):
-        loss = step(ids, mask)
-        mx.eval(state, loss)
-        recent.append(loss.item())
-        if i % log_every == 0 or i == steps:
-            print(f"step {i:5d}  loss {sum(recent) / len(recent):.3f}  "
-                  f"{time.perf_counter() - start:.0f}s", flush=True)
-            last, recent = sum(recent) / len(recent), []
+    with train_kernels.installed(model):
+        for i, batch in enumerate(batches(data, steps, seed), 1):
+            loss = step(*batch)
+            mx.eval(state, loss)
+            recent.append(loss.item())
+            if i % log_every == 0 or i == steps:
+                print(f"step {i:5d}  loss {sum(recent) / len(recent):.3f}  "
+                      f"{time.perf_counter() - start:.0f}s", flush=True)
+                last, recent = sum(recent) / len(recent), []
     return last
 
 
