@@ -19,7 +19,7 @@ the first request to the last output; the model and draft loaded once, a warm-up
 - few_sampled: the same rows sampled (temperature 0.7, seeded);
 - extract: 8 rows whose answer copies spans of the prompt (a reference text holding a topic's
   facts, then a question the lessons' `long_answers` answer in the reference's sentences; the
-  committed pair was not taught them), max_tokens 128;
+  committed pair was taught them), max_tokens 128;
   plain, ngram with 4, 6 and 8 guesses, the draft with 6;
 - tail: 512 sample questions at the CPU's default concurrency; the tail is the time from the
   461st finished row (90%) to the last; plain, then draft (speculating by measurement);

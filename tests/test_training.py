@@ -50,7 +50,7 @@ def test_essays_are_long_and_reference_answers_copy_the_references_sentences(tok
         return isinstance(chat, list) and any(chat[-2]["content"] == task.format(t=t)
                                               for task in tasks for t in build.TOPICS)
 
-    for long_answers in (False, True):  # the committed pair's lessons hold neither
+    for long_answers in (False, True):  # without --long-answers, neither
         chats = [c for c, _ in lessons.examples(3, 400, long_answers)]
         assert any(asks(c, lessons.ESSAY_TASKS) for c in chats) is long_answers
         assert any(c[0]["content"].startswith("Reference: ") for c in chats
@@ -162,7 +162,7 @@ def test_the_trained_demo_labels_the_sample_reviews_and_calls_the_sample_tool(
 def test_the_trained_demo_answers_the_sample_questions_with_its_lessons(tmp_path, trained):
     """The quick-start job's question rows (README: it "answers the sample questions"): the
     answer the lessons teach, or its start where max_tokens cut it. A retrain that garbles
-    them fails here (one tried in session 12 got 34 of 48; the committed pair 45)."""
+    them fails here (one tried in session 12 got 34 of 48; the committed pair 48)."""
     import orjson
     from click.testing import CliRunner
 

@@ -238,18 +238,19 @@ def text_line(rng: random.Random) -> str:
 # The share of chats (with long_answers) whose prompt ends as `enable_thinking: false` renders
 # it: the chat template's empty thinking block before the answer (the sample prompts' rows with
 # a system message ask for it). Session 18's first pair with long answers had never seen the
-# block and answered 11 of those 16 rows with garbled text; the committed pair generalizes
-# over it.
+# block and answered 11 of those 16 rows with garbled text; the committed pair, taught with it,
+# generalizes over it.
 THINKING_OFF = 0.2
 
 
 def examples(seed: int, n: int, long_answers: bool = False
              ) -> list[tuple[list[dict] | str, list[dict] | None]]:
-    """n examples, seeded: (chat messages or plain text, tools or None). The committed pair
-    learned the first four kinds; `long_answers` adds essays and references (6% and 4%, taken
-    from labeling and questions), which session 17's pairs learned only at a cost to the
-    others (BENCHMARKS.md), and marks a share of chats (THINKING_OFF) to be rendered with
-    `enable_thinking: false` (their answer's `"enable_thinking": False`)."""
+    """n examples, seeded: (chat messages or plain text, tools or None). Without
+    `long_answers` the first four kinds (the pairs before session 17); `long_answers` adds
+    essays and references (6% and 4%, taken from labeling and questions), which session 17's
+    pairs learned only at a cost to the others (BENCHMARKS.md), and marks a share of chats
+    (THINKING_OFF) to be rendered with `enable_thinking: false` (their answer's
+    `"enable_thinking": False`)."""
     rng = random.Random(seed)
     labeling, essays, references, questions, weather = \
         (0.40, 0.46, 0.50, 0.77, 0.84) if long_answers else (0.45, 0.45, 0.45, 0.75, 0.82)
