@@ -15,6 +15,7 @@ alone (RoPE depends only on the distance between two positions).
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import mlx.core as mx
 
@@ -37,7 +38,7 @@ def fast_exp(x: mx.array) -> mx.array:
 def softmax(scores: mx.array, bias: mx.array) -> mx.array:
     """softmax(scores + bias) over the last axis; `bias` is 0 or MASKED (broadcast)."""
     s = scores + bias
-    e = fast_exp(s - mx.stop_gradient(s.max(axis=-1, keepdims=True)))
+    e = fast_exp(s - s.max(axis=-1, keepdims=True))  # the vjp below is the gradient
     return e / e.sum(axis=-1, keepdims=True)
 
 
@@ -61,7 +62,7 @@ def _sigmoid_vjp(primals, cotangent, output):
 @mx.custom_function
 def logsumexp(x: mx.array) -> mx.array:
     """log(sum(exp(x))) over the last axis."""
-    top = mx.stop_gradient(x.max(axis=-1))
+    top = x.max(axis=-1)
     return top + mx.log(fast_exp(x - top[..., None]).sum(axis=-1))
 
 
@@ -118,8 +119,6 @@ def forward(model, ids: mx.array, mask: mx.array) -> mx.array:
 @contextlib.contextmanager
 def installed(model):
     """Route the model module's attention and SwiGLU through this file's while training."""
-    import sys
-
     module = sys.modules[type(model).__module__]
     saved = module.scaled_dot_product_attention, module.swiglu
     module.scaled_dot_product_attention, module.swiglu = attention, swiglu
