@@ -1,7 +1,10 @@
 """Seconds a step of the demo trainer on this machine: the committed recipe's lessons
 (--long-answers, seed 6) and target shape, N steps from a fresh model, compiles included.
 
-    python scripts/bench_train_steps.py [--steps 120] [--seed 6]
+    python scripts/bench_train_steps.py [--steps 120] [--seed 6] [--mlx-exp]
+
+`--mlx-exp`: the packed trainer with MLX's own exp in place of train_kernels.fast_exp (what the
+composed exp gains on its own).
 
 It calls only `train.train(model, data, steps, seed)`, so a checkout of an earlier trainer
 runs it the same way (the before/after figures of BENCHMARKS.md, session 23).
@@ -28,7 +31,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--seed", type=int, default=6)
+    parser.add_argument("--mlx-exp", action="store_true")
     args = parser.parse_args()
+    if args.mlx_exp:
+        from batchrun.models import train_kernels
+
+        train_kernels.fast_exp = mx.exp
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(DEMO_MODEL))
