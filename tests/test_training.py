@@ -240,3 +240,14 @@ def test_the_trained_demo_writes_its_essays_and_quotes_its_references(trained):
     essays, topics, quoted, asked = train.long_answers_known(engine)
     assert topics == 26 and essays >= 13, essays
     assert asked == 39 and quoted >= 36, quoted
+
+
+def test_an_output_that_is_not_a_folder_is_a_usage_error_before_any_training(tmp_path, capsys):
+    taken = tmp_path / "a-file"
+    taken.write_text("kept")
+    for argv in ([str(taken), str(tmp_path / "d")], [str(tmp_path / "t"), str(taken)]):
+        with pytest.raises(SystemExit) as stop:
+            train.main(argv + ["--steps", "1"])
+        assert stop.value.code == 2
+        assert f"{taken}: exists and is not a folder" in capsys.readouterr().err
+    assert taken.read_text() == "kept" and not (tmp_path / "t").exists()

@@ -309,9 +309,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="the target's hidden size, layers, MLP size, attention heads and "
                         f"key-value heads (default {default})")
     args = parser.parse_args(argv)
-    train_pair(args.target, args.draft, args.steps, args.seed, args.draft_steps,
-               more_steps=args.more_steps, more_lr=args.more_lr,
-               long_answers=args.long_answers, target_shape=args.target_shape)
+    for folder in (args.target, args.draft):
+        if folder.exists() and not folder.is_dir():
+            parser.error(f"{folder}: exists and is not a folder")
+    try:
+        train_pair(args.target, args.draft, args.steps, args.seed, args.draft_steps,
+                   more_steps=args.more_steps, more_lr=args.more_lr,
+                   long_answers=args.long_answers, target_shape=args.target_shape)
+    except OSError as e:  # a folder that cannot be written
+        raise SystemExit(f"error: {e.strerror or e}: {e.filename or ''}") from None
 
 
 def _dims(shape: build.Shape) -> tuple[int, ...]:
