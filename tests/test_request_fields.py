@@ -37,6 +37,35 @@ def test_min_tokens_bars_the_stop_token_until_reached(engine):
     assert len(out.token_ids) >= 3 and first not in out.token_ids[:3]
 
 
+def test_a_plain_steps_bias_and_min_tokens_are_each_rows_own_call_bit_for_bit():
+    """A decode step applies the rows' logit bias and min_tokens all at once; each row gets
+    exactly what its own processor's call gives, step after step, and rows without them, or
+    with a penalty (which reads the row's tokens), are left to their own."""
+    from mlx_lm.models.cache import TokenBuffer
+
+    from batchrun.engine.batch import LeanGenerationBatch
+
+    end = 2
+    rows = [SamplingParams(min_tokens=2, logit_bias=((4, 3.5), (9, -1.25))), None,
+            SamplingParams(min_tokens=1, stop_token_ids=(6,)),
+            SamplingParams(presence_penalty=0.5, min_tokens=1),
+            SamplingParams(logit_bias=((2, 0.75),))]
+    batch = LeanGenerationBatch.__new__(LeanGenerationBatch)
+    batch.logits_processors = [[LogitAdjustments(p, (end,))] if p else [] for p in rows]
+    batch._token_context = [TokenBuffer([1, 2]) if p else None for p in rows]
+    own = [LogitAdjustments(p, (end,)) if p else None for p in rows]  # each row's own calls
+    for step in range(3):
+        logits = mx.random.normal((len(rows), 12), key=mx.random.key(step))
+        inputs = mx.array([3, 4, 5, 7, 8])
+        got, _ = batch._process(mx.array(logits), inputs)
+        for i, adjust in enumerate(own):
+            context = mx.array([1, 2, *[7] * (step + 1)])  # the penalty row's tokens
+            want = logits[i] if adjust is None else adjust(context, logits[i:i + 1])[0]
+            assert got[i].tolist() == want.tolist(), (step, i)
+        assert mx.isinf(got[0, end]).item() == (step < 2)  # 2 tokens before it may end
+        assert mx.isinf(got[2, 6]).item() == (step < 1)
+
+
 def test_penalties_change_logits_as_openai_and_vllm_define_them():
     params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25,
                             repetition_penalty=2.0, logit_bias=((0, 1.0),))

@@ -808,6 +808,48 @@ def test_a_draft_narrower_than_the_model_adjusts_logits_as_wide_as_the_models():
     assert seen == [width + 100] * 3
     assert all(0 <= t < width for t in guesses.tolist()[0])
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_a_verifications_adjustments_are_each_positions_plain_call_bit_for_bit(dtype):
+    """A speculative step adjusts all rows and guessed positions at once; each position's
+    logits must be exactly what plain decoding's call of the row's processor there gives
+    (bias added, end and stop ids barred before min_tokens), whatever the row's count so far,
+    the offset, rows without adjustments among them, or a token named twice in a bias."""
+    from batchrun.engine.batch import LeanGenerationBatch
+    from batchrun.engine.sampling import LogitAdjustments
+
+    vocab, positions, eos = 50, 5, 3
+    rows = [SamplingParams(max_tokens=40, min_tokens=6),
+            None,
+            SamplingParams(max_tokens=40, min_tokens=3, stop_token_ids=(7,),
+                           logit_bias=((11, 2.5), (3, 1.0), (11, 0.1))),  # "11" and "011"
+            SamplingParams(max_tokens=40, logit_bias=((4, -7.25),)),
+            SamplingParams(max_tokens=40, min_tokens=1)]
+    processors = [[LogitAdjustments(p, (eos,))] if p else [] for p in rows]
+    for p, done in zip(processors, (1, 0, 2, 5, 0), strict=True):
+        if p:
+            p[0].advance(done)
+    batch = LeanGenerationBatch.__new__(LeanGenerationBatch)
+    batch.logits_processors = processors
+    adjust = batch._adjuster([i for i, p in enumerate(processors) if p])
+    logits = mx.random.normal((len(rows), positions, vocab), key=mx.random.key(3)).astype(dtype)
+    for offset in (0, 2):
+        got = adjust(mx.array(logits), offset)
+        for i, p in enumerate(processors):
+            for j in range(positions):
+                want = logits[i, j][None]
+                if p:  # the call plain decoding makes there: `offset + j` tokens later
+                    call = LogitAdjustments(p[0].params, (eos,))
+                    call.advance(p[0].generated + offset + j)
+                    want = call(mx.array([], mx.int32), want.astype(dtype)).astype(dtype)
+                assert np.array_equal(np.array(got[i, j].astype(mx.float32)),
+                                      np.array(want[0].astype(mx.float32))), (i, j, offset)
+    barred = mx.isinf(adjust(mx.array(logits), 0)[:, :, eos]).tolist()
+    assert barred[0] == [True] * 5  # 1 of its 6 made: all 5 positions barred
+    assert barred[4] == [True, False, False, False, False]  # 0 of 1 made
+    assert barred[2] == [True, False, False, False, False]  # 2 of 3
+    assert not any(barred[1]) and not any(barred[3])
+
+
 @pytest.mark.parametrize("speculate", ["draft", "ngram"])
 def test_rows_with_min_tokens_or_logit_bias_speculate_to_the_same_tokens(pair, speculate):
     """min_tokens and logit_bias depend on a token's position only: each guessed position

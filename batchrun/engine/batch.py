@@ -32,7 +32,7 @@ from mlx_lm.generate import GenerationBatch, PromptProcessingBatch, _extend_cach
 from mlx_lm.models.cache import TokenBuffer
 
 from batchrun.engine.constrain import GrammarProcessor
-from batchrun.engine.sampling import LogitAdjustments, greedy
+from batchrun.engine.sampling import LogitAdjustments, RowAdjustments, greedy
 from batchrun.engine.speculate import Speculator, ngram_proposal, rollback
 
 
@@ -74,6 +74,7 @@ class LeanGenerationBatch(GenerationBatch):
     # clear both.
     _ahead: _Verification | None = None
     _plain_next = False
+    _adjustments: RowAdjustments | None = None  # the rows' logit bias and min_tokens, as one
 
     @classmethod
     def empty(cls, model, fallback_sampler, logprob_uids: set[int] | None = None):
@@ -164,12 +165,17 @@ class LeanGenerationBatch(GenerationBatch):
         return tokens, current
 
     def _process(self, logits: mx.array, inputs: mx.array) -> tuple[mx.array, list[mx.array]]:
-        """Run each row's logits processors on that row only; grammar rows all at once."""
+        """Apply the rows' logits processors: a logit bias and min_tokens (alone in a row) for
+        all such rows at once, grammar rows all at once, and any other processor (penalties,
+        thinking budgets) on its row only."""
         rows, processed, contexts = [], [], []
-        grammar_rows, grammars = [], []
+        grammar_rows, grammars, positional = [], [], []
         tokens = None
         for e, processors in enumerate(self.logits_processors):
             if not processors:
+                continue
+            if _by_position(processors):  # they need no context
+                positional.append(e)
                 continue
             others = [p for p in processors if not isinstance(p, GrammarProcessor)]
             if others:
@@ -187,6 +193,12 @@ class LeanGenerationBatch(GenerationBatch):
                 grammar.advance(tokens[e])
                 grammar_rows.append(e)
                 grammars.append(grammar)
+        if positional:
+            adjustments = self._row_adjustments(positional)
+            index = mx.array(positional)
+            logits[index] = adjustments(logits[index][:, None])[:, 0].astype(logits.dtype)
+            for processor in adjustments.processors:
+                processor.advance(1)
         if rows:
             logits[mx.array(rows)] = mx.concatenate(processed).astype(logits.dtype)
         if grammars:
@@ -329,15 +341,19 @@ class LeanGenerationBatch(GenerationBatch):
         one, with the logit bias and min_tokens of the `adjusted` rows applied as plain
         decoding's calls there would: the verification's, and the draft's guesses (a draft
         guessing without them loses guesses)."""
-        index = mx.array(adjusted)
-        processors = [self.logits_processors[i][0] for i in adjusted]
+        index, rows = mx.array(adjusted), self._row_adjustments(adjusted)
 
         def adjust(logits: mx.array, offset: int) -> mx.array:
-            logits[index] = mx.stack([p.at_positions(logits[i], offset)
-                                      for i, p in zip(adjusted, processors, strict=True)]
-                                     ).astype(logits.dtype)
+            logits[index] = rows(logits[index], offset).astype(logits.dtype)
             return logits
         return adjust
+
+    def _row_adjustments(self, rows: list[int]) -> RowAdjustments:
+        """The rows' LogitAdjustments as one (kept from step to step while the rows stay)."""
+        processors = [self.logits_processors[i][0] for i in rows]
+        if self._adjustments is None or not self._adjustments.serves(processors):
+            self._adjustments = RowAdjustments(processors)
+        return self._adjustments
 
     def _chooser(self) -> Callable[[mx.array, int], mx.array]:
         """The rows' choice at a position (below), with each row's sampler as it stands."""

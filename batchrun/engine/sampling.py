@@ -81,27 +81,27 @@ class LogitAdjustments:
         self.params = params
         self.bias = None
         if params.logit_bias:
-            ids, values = zip(*params.logit_bias, strict=True)
-            self.bias = (mx.array(ids), mx.array(values, dtype=mx.float32))
-        self.end_ids = mx.array(sorted({*end_ids, *params.stop_token_ids}))
+            # one entry a token ("1" and "01" name the same one): a logit gains their sum in
+            # one addition, plain or speculating (a sum in two steps would round otherwise)
+            merged: dict[int, float] = {}
+            for token, value in params.logit_bias:
+                merged[token] = merged.get(token, 0.0) + value
+            self.bias = (mx.array(list(merged)), mx.array(list(merged.values()), mx.float32))
+        self.ends = sorted({*end_ids, *params.stop_token_ids})
+        self.end_ids = mx.array(self.ends)
         self.generated = 0  # tokens generated before this call
 
     @property
     def by_position(self) -> bool:
         """Whether what it does to a token's logits depends only on how many tokens came
         before it (logit bias, min_tokens), not on which (penalties): a speculative step can
-        then apply it to every guessed position at once (`at_positions`)."""
+        then apply it to every guessed position at once (batch.py's `_adjuster`)."""
         p = self.params
         return p.repetition_penalty == 1 and not p.presence_penalty and not p.frequency_penalty
 
-    def at_positions(self, logits: mx.array, offset: int = 0) -> mx.array:
-        """`logits` (positions, vocab) of the row's next tokens, the first of them `offset`
-        tokens past the one this processor would be called for next, adjusted as those calls
-        would (`by_position` only; `advance` counts the ones used)."""
-        return self._barred(self._biased(logits), self.generated + offset)
-
     def advance(self, n: int) -> None:
-        """`n` tokens were chosen from `at_positions`' logits."""
+        """`n` tokens were chosen at once (a speculative step's kept guesses and the
+        model's token after them)."""
         self.generated += n
 
     def _biased(self, logits: mx.array) -> mx.array:
@@ -131,3 +131,49 @@ class LogitAdjustments:
             counts = mx.zeros((logits.shape[-1],), mx.float32).at[mine].add(1)
             logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
         return self._barred(logits, n)
+
+
+class RowAdjustments:
+    """The logit bias and min_tokens of several rows (LogitAdjustments that go `by_position`),
+    applied to all their rows and positions in a few operations, as each row's own calls would
+    apply them one position at a time (a row's calls cost ~0.1 ms a row a step on the CPU, and
+    ~2 ms a speculative step of 8 rows): a bias is added as a dense row (x + 0 is x; a token
+    named twice gets its one sum), and end and stop ids are barred at the positions before a
+    row's min_tokens. The caller counts the tokens chosen (`LogitAdjustments.advance`)."""
+
+    def __init__(self, processors: list[LogitAdjustments]):
+        self.processors = processors
+        self._dense: dict[int, tuple[mx.array | None, mx.array]] = {}  # vocab -> (bias, ends)
+
+    def serves(self, processors: list) -> bool:
+        return len(processors) == len(self.processors) and \
+            all(a is b for a, b in zip(processors, self.processors, strict=True))
+
+    def __call__(self, logits: mx.array, offset: int = 0) -> mx.array:
+        """Float32 logits (rows, positions, vocab) of these rows, the first position `offset`
+        tokens past the one each row's processor would be called for next."""
+        bias, ends = self._rows(logits.shape[-1])
+        logits = logits.astype(mx.float32)
+        if bias is not None:
+            logits = logits + bias[:, None]
+        remaining = mx.array([p.params.min_tokens - p.generated - offset
+                              for p in self.processors])
+        barred = mx.arange(logits.shape[1])[None] < remaining[:, None]  # (rows, positions)
+        return mx.where(barred[..., None] & ends[:, None], -mx.inf, logits)
+
+    def _rows(self, vocab: int) -> tuple[mx.array | None, mx.array]:
+        if vocab not in self._dense:
+            rows = len(self.processors)
+            marks = [(i, t) for i, p in enumerate(self.processors) for t in p.ends if t < vocab]
+            ends = mx.zeros((rows, vocab), mx.bool_)
+            if marks:
+                r, t = zip(*marks, strict=True)
+                ends[mx.array(r), mx.array(t)] = True
+            bias = None
+            if any(p.bias is not None for p in self.processors):
+                bias = mx.zeros((rows, vocab), mx.float32)
+                for i, p in enumerate(self.processors):
+                    if p.bias is not None:
+                        bias[i, p.bias[0]] = p.bias[1]
+            self._dense[vocab] = (bias, ends)
+        return self._dense[vocab]
