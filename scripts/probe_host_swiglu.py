@@ -11,7 +11,6 @@ Prints the median seconds of each; says so if any run's greedy tokens differ fro
 
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,12 +23,11 @@ import batchrun  # noqa: E402, F401  (BLAS routing before MLX)
 import mlx.core as mx  # noqa: E402
 import mlx_lm.models.llama as llama  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_speculate import essays, extraction  # noqa: E402
+from bench_speculate import essays, extraction, run_once  # noqa: E402
 
 from batchrun.engine import host_attention  # noqa: E402
-from batchrun.engine.engine import Engine  # noqa: E402
-from batchrun.engine.request import EngineConfig, SamplingParams  # noqa: E402
-from batchrun.models import DEMO_DRAFT_MODEL, DEMO_MODEL, load_model  # noqa: E402
+from batchrun.engine.request import SamplingParams  # noqa: E402
+from batchrun.models import DEMO_MODEL, load_model  # noqa: E402
 
 MLX_SWIGLU = llama.swiglu
 
@@ -42,29 +40,18 @@ def host_swiglu(gate, x):
     return MLX_SWIGLU(gate, x)
 
 
-def run(lm, chats, params, method):
-    config = EngineConfig(max_concurrency=8, speculate=method, draft_tokens=6, prefix_cache=False,
-                          draft_model=str(DEMO_DRAFT_MODEL) if method == "draft" else None)
-    engine = Engine(lm.model, lm.tokenizer, config, lm.context_length)
-    ids = [engine.add_request(messages=c, params=params) for c in chats]
-    out, start = {}, time.perf_counter()
-    while engine.has_work():
-        for o in engine.step():
-            out[o.request_id] = o.token_ids
-    return time.perf_counter() - start, [out[i] for i in ids]
-
-
 def main() -> None:
     lm = load_model(str(DEMO_MODEL))
-    work = {"essays": (essays(8), SamplingParams(max_tokens=256, min_tokens=256), "draft"),
-            "extract": (extraction(8), SamplingParams(max_tokens=128), "ngram")}
+    work = {"essays": (essays(8), SamplingParams(max_tokens=256, min_tokens=256), "draft6"),
+            "extract": (extraction(8), SamplingParams(max_tokens=128), "ngram6")}
     for name, (chats, params, method) in work.items():
         walls, first = {}, None
         for rep in range(4):
             for swiglu in ("mlx", "numpy"):
                 llama.swiglu = MLX_SWIGLU if swiglu == "mlx" else host_swiglu
-                for m in ("off", method):
-                    wall, tokens = run(lm, chats, params, m)
+                for m in ("plain", method):  # bench_speculate's systems: 6 guesses
+                    result = run_once(lm, chats, params, 8, m)
+                    wall, tokens = result["wall_s"], result["outputs"]
                     first = first or tokens
                     if tokens != first:
                         print(f"{name} {swiglu} {m}: tokens differ from the first run's")

@@ -95,7 +95,7 @@ class LogitAdjustments:
     def by_position(self) -> bool:
         """Whether what it does to a token's logits depends only on how many tokens came
         before it (logit bias, min_tokens), not on which (penalties): a speculative step can
-        then apply it to every guessed position at once (batch.py's `_adjuster`)."""
+        then apply it to every guessed position at once (`RowAdjustments`)."""
         p = self.params
         return p.repetition_penalty == 1 and not p.presence_penalty and not p.frequency_penalty
 
