@@ -81,7 +81,7 @@ def essays(n: int) -> list[list[dict]]:
 
 SYSTEMS = {"plain": ("off", 4), "draft4": ("draft", 4), "draft6": ("draft", 6),
            "draft8": ("draft", 8), "ngram": ("ngram", 4), "ngram6": ("ngram", 6),
-           "ngram8": ("ngram", 8), "draft": ("draft", 4),
+           "ngram8": ("ngram", 8), "ngram12": ("ngram", 12), "draft": ("draft", 4),
            "other4": ("other", 4), "other6": ("other", 6)}  # --other-draft's
 DRAFTS = {"draft": DEMO_DRAFT_MODEL}
 WORKLOADS = {
@@ -97,7 +97,7 @@ WORKLOADS = {
                     SamplingParams(max_tokens=256, temperature=0.7, seed=5), 8,
                     ("plain", "draft4", "draft6")),
     "extract": (DEMO_MODEL, lambda: extraction(8), SamplingParams(max_tokens=128), 8,
-                ("plain", "ngram", "ngram6", "ngram8", "draft6")),
+                ("plain", "ngram", "ngram6", "ngram8", "ngram12", "draft6")),
     "tail": (DEMO_MODEL, lambda: questions(512), SamplingParams(max_tokens=256), None,
              ("plain", "draft4")),
     "full": (RANDOM_DEMO_MODEL, lambda: questions(256), SamplingParams(max_tokens=48), 256,

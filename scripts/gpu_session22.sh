@@ -6,5 +6,5 @@
 # Results: $OUT/spec/speculate.json, $OUT/tail/speculate.json and the printed tables.
 OUT=${OUT:-/tmp/out}
 python3 scripts/bench_speculate.py /tmp/spec-throwaway --reps 1 --workloads essays > /dev/null
-python3 scripts/bench_speculate.py $OUT/spec --reps 5 --workloads essays,extract 2>&1 | tail -11
+python3 scripts/bench_speculate.py $OUT/spec --reps 5 --workloads essays,extract 2>&1 | tail -12
 python3 scripts/bench_speculate.py $OUT/tail --workloads tail:15,full:15 2>&1 | tail -5
