@@ -808,18 +808,20 @@ def test_a_draft_narrower_than_the_model_adjusts_logits_as_wide_as_the_models():
     assert seen == [width + 100] * 3
     assert all(0 <= t < width for t in guesses.tolist()[0])
 
+@pytest.mark.parametrize("every", [False, True], ids=["some rows", "every row"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
-def test_a_verifications_adjustments_are_each_positions_plain_call_bit_for_bit(dtype):
+def test_a_verifications_adjustments_are_each_positions_plain_call_bit_for_bit(dtype, every):
     """A speculative step adjusts all rows and guessed positions at once; each position's
     logits must be exactly what plain decoding's call of the row's processor there gives
     (bias added, end and stop ids barred before min_tokens), whatever the row's count so far,
-    the offset, rows without adjustments among them, or a token named twice in a bias."""
+    the offset, rows without adjustments among them (or none: then no rows are picked out and
+    put back), or a token named twice in a bias."""
     from batchrun.engine.batch import LeanGenerationBatch
     from batchrun.engine.sampling import LogitAdjustments
 
     vocab, positions, eos = 50, 5, 3
     rows = [SamplingParams(max_tokens=40, min_tokens=6),
-            None,
+            SamplingParams(max_tokens=40, min_tokens=2) if every else None,
             SamplingParams(max_tokens=40, min_tokens=3, stop_token_ids=(7,),
                            logit_bias=((11, 2.5), (3, 1.0), (11, 0.1))),  # "11" and "011"
             SamplingParams(max_tokens=40, logit_bias=((4, -7.25),)),
@@ -847,7 +849,8 @@ def test_a_verifications_adjustments_are_each_positions_plain_call_bit_for_bit(d
     assert barred[0] == [True] * 5  # 1 of its 6 made: all 5 positions barred
     assert barred[4] == [True, False, False, False, False]  # 0 of 1 made
     assert barred[2] == [True, False, False, False, False]  # 2 of 3
-    assert not any(barred[1]) and not any(barred[3])
+    assert barred[1] == ([True, True, False, False, False] if every else [False] * 5)
+    assert not any(barred[3])
 
 
 @pytest.mark.parametrize("speculate", ["draft", "ngram"])

@@ -331,7 +331,10 @@ class LeanGenerationBatch(GenerationBatch):
         if adjust is not None:  # logit bias, min_tokens: what each position's call would do
             logits = adjust(logits, 0)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (rows, k + 1, V)
-        choices = mx.stack([choose(logprobs[:, j], j) for j in range(k + 1)], axis=1)
+        if choose.greedy:  # every position's argmax in one operation, not one per position
+            choices = mx.argmax(logprobs, axis=-1)
+        else:
+            choices = mx.stack([choose(logprobs[:, j], j) for j in range(k + 1)], axis=1)
         mx.async_eval(choices, drafts)
         return _Verification(k + 1, pending, current, room, drafts, choices, logprobs, adjusted,
                              one_time_s, inputs.dtype)
@@ -342,8 +345,11 @@ class LeanGenerationBatch(GenerationBatch):
         decoding's calls there would: the verification's, and the draft's guesses (a draft
         guessing without them loses guesses)."""
         index, rows = mx.array(adjusted), self._row_adjustments(adjusted)
+        every = adjusted == list(range(len(self.logits_processors)))
 
         def adjust(logits: mx.array, offset: int) -> mx.array:
+            if every:  # no rows to pick out and put back
+                return rows(logits, offset).astype(logits.dtype)
             logits[index] = rows(logits[index], offset).astype(logits.dtype)
             return logits
         return adjust
@@ -356,7 +362,10 @@ class LeanGenerationBatch(GenerationBatch):
         return self._adjustments
 
     def _chooser(self) -> Callable[[mx.array, int], mx.array]:
-        """The rows' choice at a position (below), with each row's sampler as it stands."""
+        """The rows' choice at a position (below), with each row's sampler as it stands; its
+        `greedy` says whether every row's is the argmax (then the choices at several positions
+        are one argmax, and a draft may pick from its logits unnormalized: the same argmax but
+        where rounding ties two tokens)."""
         samplers = [s or self.fallback_sampler for s in self.samplers]
         sampled = [i for i, s in enumerate(samplers) if s is not greedy]
 
@@ -370,6 +379,7 @@ class LeanGenerationBatch(GenerationBatch):
                                                             [samplers[i].position + offset])
                                              for i in sampled])
             return out
+        choose.greedy = not sampled
         return choose
 
     def _finish(self, spec: Speculator, v: _Verification) -> tuple[list[list[int]], mx.array,

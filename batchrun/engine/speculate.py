@@ -221,7 +221,8 @@ class DraftModel:
                 ) -> mx.array:
         """(rows, k) proposals after each row's `pending` token: the draft's choice at each
         position (`pick(logprobs, j)` for the j-th proposal, of the logits `adjust(logits, j)`
-        makes of them, (rows, 1, vocab), when given: the rows' logit bias and min_tokens), fed
+        makes of them, (rows, 1, vocab), when given: the rows' logit bias and min_tokens; a
+        `pick` whose `greedy` is true, an argmax, takes the logits unnormalized), fed
         back in turn, the first
         forward taking each row's `last` token in the target's cache (the one this cache lacks)
         and its pending one. Each forward starts on the device as soon as it is built, so the
@@ -236,7 +237,9 @@ class DraftModel:
                 if short > 0:  # the ids a bias or a stop may name, past the draft's: never guessed
                     logits = mx.pad(logits, [(0, 0), (0, short)], constant_values=-mx.inf)
                 logits = adjust(logits[:, None], j)[:, 0]
-            token = pick(logits - mx.logsumexp(logits, axis=-1, keepdims=True), j)
+            if not getattr(pick, "greedy", False):  # a sampler reads log-probabilities
+                logits = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            token = pick(logits, j)
             mx.async_eval(token)
             out.append(token)
             x = token[:, None]
