@@ -895,3 +895,21 @@ def test_the_trained_pair_keeps_most_guesses_on_essays_and_n_grams_on_references
         assert tokens(spec) == tokens(plain)
         stats = engine.stats.speculation
         assert stats.proposed > 0 and stats.accepted > 0.8 * stats.proposed, (kind, stats)
+
+
+def test_the_draft_caches_one_token_mask_is_mlx_lms():
+    """A guess's forward takes the draft cache's own mask (one comparison): it must let each
+    row see exactly the keys mlx-lm's mask lets it see, as the rows' starts differ and the cache
+    grows, and other calls keep mlx-lm's."""
+    from mlx_lm.models.base import create_causal_mask
+
+    cache = speculate.DraftCache([3, 0, 5])
+    for step in range(4):
+        width = 2 if step == 0 else 1
+        cache.update_and_fetch(mx.zeros((3, 1, width, 4)), mx.zeros((3, 1, width, 4)))
+        for n in (1, 2):
+            got = cache.make_mask(n)
+            want = create_causal_mask(n, offset=cache._idx, left_padding=cache.left_padding)
+            assert np.array_equal(np.broadcast_to(np.array(got), want.shape), np.array(want))
+        assert np.array(cache.make_mask(1))[1, 0, 0].all()  # a row without padding sees all
+        assert not np.array(cache.make_mask(1))[2, 0, 0, :5].any()  # padding is never seen
