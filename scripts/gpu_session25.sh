@@ -1,14 +1,5 @@
 #!/bin/bash
-# Issue 18 on the H200 with the committed (CPU-trained) demo pair, most needed first: the
-# session-22 call (essays and extract 5 reps after a throwaway, extract now with 12 n-gram
-# guesses too; then tail and full 15 reps each), then where a speculative step's time goes on
-# this device (probe_spec_profile.py: extraction with 6 and 12 n-gram guesses, essays with the
-# draft's 6). Set-up line: shared/gpu/README.md. Results under $OUT and the printed tables.
-OUT=${OUT:-/tmp/out}
-bash scripts/gpu_session22.sh
-mkdir -p $OUT/profile
-for args in "extract ngram 6" "extract ngram 12" "long draft 6"; do
-  f=$OUT/profile/$(echo $args | tr ' ' '-').txt
-  python3 scripts/probe_spec_profile.py $args > $f 2>&1
-  echo "== probe_spec_profile.py $args"; head -4 $f
-done
+# Issue 18 on the device with the committed demo pair: gpu_session24.sh (the session-22 call,
+# whose extract workload now runs 12 n-gram guesses too), profiling extraction with 6 and 12
+# n-gram guesses and essays with the draft's 6. Set-up line: shared/gpu/README.md.
+PROFILES="extract ngram 6;extract ngram 12;long draft 6" bash scripts/gpu_session24.sh
