@@ -913,3 +913,29 @@ def test_the_draft_caches_one_token_mask_is_mlx_lms():
             assert np.array_equal(np.broadcast_to(np.array(got), want.shape), np.array(want))
         assert np.array(cache.make_mask(1))[1, 0, 0].all()  # a row without padding sees all
         assert not np.array(cache.make_mask(1))[2, 0, 0, :5].any()  # padding is never seen
+
+
+@pytest.mark.parametrize("made", [0, 30], ids=["all before min_tokens", "all past it"])
+def test_adjustments_barring_every_position_or_none_are_each_positions_plain_call(made):
+    """Where every row's guessed positions all come before its min_tokens (or all after), the
+    adjustments take a shortcut; each position's logits must still be exactly what the row's
+    own call there gives."""
+    from batchrun.engine.sampling import LogitAdjustments, RowAdjustments
+
+    vocab, positions, eos = 40, 4, 2
+    rows = [SamplingParams(max_tokens=60, min_tokens=20, logit_bias=((5, 1.5),)),
+            SamplingParams(max_tokens=60, min_tokens=25, stop_token_ids=(9,))]
+    processors = [LogitAdjustments(p, (eos,)) for p in rows]
+    for p in processors:
+        p.advance(made)
+    adjust = RowAdjustments(processors)
+    logits = mx.random.normal((len(rows), positions, vocab), key=mx.random.key(5))
+    for offset in (0, 3):
+        got = adjust(logits, offset)
+        for i, p in enumerate(processors):
+            for j in range(positions):
+                call = LogitAdjustments(p.params, (eos,))
+                call.advance(p.generated + offset + j)
+                want = call(mx.array([], mx.int32), logits[i, j][None])
+                assert np.array_equal(np.array(got[i, j]), np.array(want[0])), (i, j, offset)
+    assert mx.isinf(adjust(logits, 0)[:, :, eos]).all().item() == (made == 0)

@@ -139,7 +139,9 @@ class RowAdjustments:
     apply them one position at a time (a row's calls cost ~0.1 ms a row a step on the CPU, and
     ~2 ms a speculative step of 8 rows): a bias is added as a dense row (x + 0 is x; a token
     named twice gets its one sum), and end and stop ids are barred at the positions before a
-    row's min_tokens. The caller counts the tokens chosen (`LogitAdjustments.advance`)."""
+    row's min_tokens (one operation where every row's positions are all before it, as in a
+    long answer's draft guesses, or none where all are past it). The caller counts the tokens
+    chosen (`LogitAdjustments.advance`)."""
 
     def __init__(self, processors: list[LogitAdjustments]):
         self.processors = processors
@@ -156,9 +158,12 @@ class RowAdjustments:
         logits = logits.astype(mx.float32)
         if bias is not None:
             logits = logits + bias[:, None]
-        remaining = mx.array([p.params.min_tokens - p.generated - offset
-                              for p in self.processors])
-        barred = mx.arange(logits.shape[1])[None] < remaining[:, None]  # (rows, positions)
+        remaining = [p.params.min_tokens - p.generated - offset for p in self.processors]
+        if max(remaining) <= 0:  # every row past its min_tokens: nothing barred
+            return logits
+        if min(remaining) >= logits.shape[1]:  # every position of every row before it
+            return mx.where(ends[:, None], -mx.inf, logits)
+        barred = mx.arange(logits.shape[1])[None] < mx.array(remaining)[:, None]
         return mx.where(barred[..., None] & ends[:, None], -mx.inf, logits)
 
     def _rows(self, vocab: int) -> tuple[mx.array | None, mx.array]:
