@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from batchrun.engine.load import load_engine
-from batchrun.engine.request import DEFAULT_DRAFT_TOKENS, EngineConfig, SamplingParams
+from batchrun.engine.request import EngineConfig, SamplingParams
 from batchrun.io.files import fsync_folder
 from batchrun.models import MissingExtra  # re-exported: the CLI catches it
 
@@ -104,7 +104,8 @@ class RunOptions:
     # draft_model is given, else off).
     speculate: str | None = None
     draft_model: str | None = None
-    draft_tokens: int | None = None  # None: DEFAULT_DRAFT_TOKENS (given without speculation: said)
+    # None: the method's default on this device (a number given without speculation: said)
+    draft_tokens: int | None = None
     restart: bool = False
     quiet: bool = True
     ray_address: str | None = None
@@ -702,7 +703,7 @@ def _plan(input_path: Path, o: RunOptions):
                               shared_prefix=not o.no_shared_prefix,
                               speculate=method,
                               draft_model=str(o.draft_model) if o.draft_model else None,
-                              draft_tokens=o.draft_tokens or DEFAULT_DRAFT_TOKENS,
+                              draft_tokens=o.draft_tokens,
                               cache_dir=str(o.cache_dir or default_cache_dir()))
     except ValueError as e:
         raise UsageError(str(e)) from None

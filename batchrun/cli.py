@@ -207,10 +207,11 @@ def _show_warnings() -> None:
 @click.option("--draft-model", default=None,
               help="a small model sharing the model's tokenizer, guessing tokens for "
                    "--speculate draft")
-# default: engine.request.DEFAULT_DRAFT_TOKENS, written out (the CLI imports no engine module
+# default: engine.request.default_draft_tokens, written out (the CLI imports no engine module
 # before it must; a test checks they agree)
-@click.option("--draft-tokens", type=click.IntRange(1, 16), default=6, show_default=True,
-              help="tokens a row guesses ahead each speculative step")
+@click.option("--draft-tokens", type=click.IntRange(1, 16), default=None,
+              help="tokens a row guesses ahead each speculative step [default: 6; 12 for "
+                   "--speculate ngram on a GPU]")
 @click.option("--restart", is_flag=True, help="discard earlier progress of this job")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @click.option("--debug", is_flag=True, help="show tracebacks")
@@ -229,8 +230,6 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
     messages go to stderr.
     """
     job_file = None
-    if ctx.get_parameter_source("draft_tokens") is ParameterSource.DEFAULT:
-        opts["draft_tokens"] = None  # the default: not said to be unused (a job file may set it)
     if input_path.suffix.lower() == ".toml":
         job_file = input_path
         opts = _merge_job_file(ctx, input_path, opts)

@@ -608,16 +608,28 @@ def test_tries_that_lose_at_one_width_do_not_slow_tries_at_another(monkeypatch):
 # -- settings and errors ------------------------------------------------------------------------
 
 def test_the_guesses_a_step_default_alike_everywhere():
-    """The command line, the Python API and the engine start from one default."""
+    """The command line, the Python API and the engine start from one default: 6 guesses, and
+    12 for prompt lookup on a GPU (its guesses free, a wider verification no dearer there); the
+    help says so, and a number given wins."""
     import click
 
     from batchrun import api
     from batchrun.cli import cli
+    from batchrun.engine.request import DEFAULT_NGRAM_TOKENS_GPU, default_draft_tokens
 
     option = next(p for p in cli.commands["run"].params if p.name == "draft_tokens")
-    assert isinstance(option, click.Option)
-    assert option.default == EngineConfig().draft_tokens == speculate.DEFAULT_DRAFT_TOKENS
+    assert isinstance(option, click.Option) and option.default is None
+    assert (f"default: {speculate.DEFAULT_DRAFT_TOKENS}; {DEFAULT_NGRAM_TOKENS_GPU} for "
+            "--speculate ngram on a GPU") in option.help
     assert api.RunOptions().draft_tokens is None  # the default, resolved where the job is planned
+    assert default_draft_tokens("ngram", gpu=True) == DEFAULT_NGRAM_TOKENS_GPU == 12
+    assert default_draft_tokens("draft", gpu=True) == speculate.DEFAULT_DRAFT_TOKENS == 6
+    assert default_draft_tokens("ngram", gpu=False) == default_draft_tokens("draft", gpu=False) == 6
+    on_this_device = default_draft_tokens("ngram")
+    assert on_this_device == (12 if mx.default_device() != mx.cpu else 6)
+    assert EngineConfig(speculate="ngram").draft_tokens == on_this_device
+    assert EngineConfig(speculate="draft", draft_model="d").draft_tokens == 6
+    assert EngineConfig(speculate="ngram", draft_tokens=3).draft_tokens == 3
 
 
 def test_bad_speculation_settings_name_the_field():
