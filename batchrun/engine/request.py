@@ -195,7 +195,7 @@ class EngineConfig:
                'one of "off", "ngram", "draft"')
         _check(self.speculate != "draft" or bool(self.draft_model), "draft_model",
                self.draft_model, "a model (speculate is draft)")
-        if self.draft_tokens is None and self.speculate in ("off", "ngram", "draft"):
+        if self.draft_tokens is None:
             self.draft_tokens = default_draft_tokens(self.speculate)
         _check(isinstance(self.draft_tokens, int) and 1 <= self.draft_tokens <= 16,
                "draft_tokens", self.draft_tokens, "an integer in [1, 16]")
