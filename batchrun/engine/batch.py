@@ -193,12 +193,10 @@ class LeanGenerationBatch(GenerationBatch):
                 grammar.advance(tokens[e])
                 grammar_rows.append(e)
                 grammars.append(grammar)
-        if positional:
-            adjustments = self._row_adjustments(positional)
-            index = mx.array(positional)
-            logits[index] = adjustments(logits[index][:, None])[:, 0].astype(logits.dtype)
-            for processor in adjustments.processors:
-                processor.advance(1)
+        if positional:  # as a speculative step adjusts them, at one position
+            logits = self._adjuster(positional)(logits[:, None], 0)[:, 0]
+            for i in positional:
+                self.logits_processors[i][0].advance(1)
         if rows:
             logits[mx.array(rows)] = mx.concatenate(processed).astype(logits.dtype)
         if grammars:
@@ -342,8 +340,8 @@ class LeanGenerationBatch(GenerationBatch):
     def _adjuster(self, adjusted: list[int]) -> Callable[[mx.array, int], mx.array]:
         """Logits (rows, positions, vocab) of each row's tokens from `offset` past its pending
         one, with the logit bias and min_tokens of the `adjusted` rows applied as plain
-        decoding's calls there would: the verification's, and the draft's guesses (a draft
-        guessing without them loses guesses)."""
+        decoding's calls there would: the verification's, the draft's guesses (a draft
+        guessing without them loses guesses), and a plain step's (`_process`)."""
         index, rows = mx.array(adjusted), self._row_adjustments(adjusted)
         every = adjusted == list(range(len(self.logits_processors)))
 
