@@ -14,8 +14,9 @@ the first request to the last output; the model and draft loaded once, a warm-up
   with 8 guesses;
 - essays: 8 rows asking for an essay about a topic (the ~330-token answers of the lessons'
   `long_answers`: for a pair trained with them), min_tokens and max_tokens 256; the same
-  systems (on the H200 a session-17 pair ended some essays after their first part, where the
-  CPU's arithmetic went on);
+  systems, and the draft with 6 and 8 guesses uncompiled (draft6u, draft8u: its forward as
+  mlx-lm runs it, not `speculate.CompiledForward`) (on the H200 a session-17 pair ended some
+  essays after their first part, where the CPU's arithmetic went on);
 - few_sampled: the same rows sampled (temperature 0.7, seeded);
 - extract: 8 rows whose answer copies spans of the prompt (a reference text holding a topic's
   facts, then a question the lessons' `long_answers` answer in the reference's sentences; the
@@ -41,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import batchrun  # noqa: E402, F401  (BLAS routing before MLX)
+from batchrun.engine import speculate  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
 from batchrun.engine.request import EngineConfig, SamplingParams  # noqa: E402
 from batchrun.models import (  # noqa: E402
@@ -82,7 +84,8 @@ def essays(n: int) -> list[list[dict]]:
 SYSTEMS = {"plain": ("off", 4), "draft4": ("draft", 4), "draft6": ("draft", 6),
            "draft8": ("draft", 8), "ngram": ("ngram", 4), "ngram6": ("ngram", 6),
            "ngram8": ("ngram", 8), "ngram12": ("ngram", 12), "draft": ("draft", 4),
-           "other4": ("other", 4), "other6": ("other", 6)}  # --other-draft's
+           "other4": ("other", 4), "other6": ("other", 6),  # --other-draft's
+           "draft6u": ("draft", 6), "draft8u": ("draft", 8)}  # the draft's forward uncompiled
 DRAFTS = {"draft": DEMO_DRAFT_MODEL}
 WORKLOADS = {
     # name: (target, rows, params, concurrency, systems)
@@ -92,7 +95,7 @@ WORKLOADS = {
              SamplingParams(max_tokens=256, min_tokens=256), 8,
              ("plain", "draft4", "draft6", "draft8", "ngram")),
     "essays": (DEMO_MODEL, lambda: essays(8), SamplingParams(max_tokens=256, min_tokens=256), 8,
-               ("plain", "draft4", "draft6", "draft8", "ngram")),
+               ("plain", "draft4", "draft6", "draft8", "ngram", "draft6u", "draft8u")),
     "few_sampled": (DEMO_MODEL, lambda: questions(8, tools=False),
                     SamplingParams(max_tokens=256, temperature=0.7, seed=5), 8,
                     ("plain", "draft4", "draft6")),
@@ -107,6 +110,7 @@ WORKLOADS = {
 
 def run_once(lm, chats, params, concurrency, system) -> dict:
     method, k = SYSTEMS[system]
+    speculate.COMPILE_DRAFT = not system.endswith("u")
     config = EngineConfig(max_concurrency=concurrency,
                           speculate="draft" if method == "other" else method, draft_tokens=k,
                           draft_model=str(DRAFTS[method]) if method in DRAFTS else None,

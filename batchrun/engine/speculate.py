@@ -140,6 +140,95 @@ class DraftCache(BatchKVCache):
         return self.left_padding[:, None, None, None] <= mx.arange(self._idx + 1)
 
 
+COMPILE_DRAFT = True  # whether a draft's guesses run compiled (CompiledForward)
+CAPACITY_STEP = 256  # a compiled draft forward's cache capacity grows in these (one trace each)
+
+
+class _Slot:
+    """One layer's draft cache as the compiled forward (`CompiledForward`) sees it: the whole
+    buffer of keys and values, the rows' starts and RoPE offsets, and the slot the step's first
+    token takes (`at`, an array: the same trace serves every position). A step's keys and values
+    go in at `at` (a dynamic slice update), and attention reads the whole buffer under a mask of
+    each row's keys, from its start to the query's own position."""
+
+    def __init__(self, keys, values, at, left_padding, offset):
+        self.keys, self.values, self.at = keys, values, at
+        self.left_padding, self.offset = left_padding, offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.keys = mx.slice_update(self.keys, keys, self.at, axes=(2,))
+        self.values = mx.slice_update(self.values, values, self.at, axes=(2,))
+        return self.keys, self.values
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs) -> mx.array:
+        position = mx.arange(self.keys.shape[2])
+        last = self.at + mx.arange(N)[:, None]  # (N, 1): each query's own position
+        return (self.left_padding[:, None, None, None] <= position) & (position <= last)
+
+
+class CompiledForward:
+    """The draft's forward of a step's tokens as one compiled graph (mx.compile) over its batch
+    caches' buffers: the model's own code, traced once for each (rows, tokens, capacity) with a
+    cache (`_Slot`) that writes at a slot given as an array and masks the rest of the buffer.
+    A draft's forward is mostly the cost of its many small operations (the guesses of a step
+    are k forwards one after another); compiled, its elementwise ones run fused (the mask, the
+    norms, the rotary embedding on a CPU), and the host re-encodes a recorded graph instead of
+    running the model's Python. Capacities grow by CAPACITY_STEP, so a job traces a few."""
+
+    def __init__(self, model, vocab: int | None):
+        self.model, self.vocab = model, vocab
+        self._forward = mx.compile(self._graph)
+
+    def _graph(self, tokens, at, left_padding, offset, *buffers):
+        slots = [_Slot(buffers[i], buffers[i + 1], at, left_padding, offset)
+                 for i in range(0, len(buffers), 2)]
+        logits = self.model(tokens, cache=slots)[:, -1, : self.vocab].astype(mx.float32)
+        return (logits, *(a for s in slots for a in (s.keys, s.values)))
+
+    def __call__(self, tokens: mx.array, caches: list[BatchKVCache]) -> mx.array:
+        """The last position's logits (rows, vocab) in float32, the caches advanced by the
+        tokens (rows, n) as a forward of the model over them would."""
+        n = tokens.shape[1]
+        reserve(caches, caches[0]._idx + n)
+        first = caches[0]
+        out = self._forward(tokens, mx.array([first._idx]), first.left_padding, first.offset,
+                            *(a for c in caches for a in (c.keys, c.values)))
+        for i, c in enumerate(caches):
+            c.keys, c.values = out[1 + 2 * i], out[2 + 2 * i]
+            c._idx += n
+            c.offset = c.offset + n
+        return out[0]
+
+    def works(self, layers: int) -> bool:
+        """Whether the model traces with the compiled forward's cache and gives what its own
+        forward gives (an architecture that reads its cache otherwise does not)."""
+        try:
+            tokens = mx.array([[1, 2, 3, 4]])
+            mine, theirs = ([DraftCache([1]) for _ in range(layers)] for _ in range(2))
+            self.model(tokens[:, :3], cache=mine)
+            self.model(tokens[:, :3], cache=theirs)
+            got = self(tokens[:, 3:], mine)
+            want = self.model(tokens[:, 3:], cache=theirs)[:, -1, : self.vocab]
+            return bool(mx.allclose(got, want.astype(mx.float32), rtol=1e-3, atol=1e-3))
+        except Exception as e:  # noqa: BLE001 (any failure means: draft uncompiled)
+            log.info("the draft model's forward does not compile (%s: %s): drafting uncompiled",
+                     type(e).__name__, e)
+            return False
+
+
+def reserve(caches: list[BatchKVCache], slots: int) -> None:
+    """Make each batch cache's buffer hold at least `slots` positions, its capacity a multiple
+    of CAPACITY_STEP (a filter cuts a buffer's front, leaving any size)."""
+    size = caches[0].keys.shape[2]
+    want = max(size, slots)
+    want = -(-want // CAPACITY_STEP) * CAPACITY_STEP
+    if want == size:
+        return
+    for c in caches:
+        pad = [(0, 0), (0, 0), (0, want - size), (0, 0)]
+        c.keys, c.values = mx.pad(c.keys, pad), mx.pad(c.values, pad)
+
+
 class DraftModel:
     """A small model proposing tokens for the rows of a batch, on a batch cache of its own that
     follows the batch's rows (by uid): rows that left are filtered out, rows that joined are
@@ -151,7 +240,8 @@ class DraftModel:
     the verification each row drops what the target's cache drops (the proposals it did not
     keep; its last kept token is the next step's first)."""
 
-    def __init__(self, model, prefill_step: int = 512, vocab: int | None = None):
+    def __init__(self, model, prefill_step: int = 512, vocab: int | None = None,
+                 compiled: bool | None = None):
         self.model = model
         self.vocab = vocab  # the target's token ids: a wider draft's guesses stay below
         self.prefill_step = prefill_step
@@ -161,6 +251,11 @@ class DraftModel:
         caches = make_prompt_cache(model)
         self.usable = all(type(c) is KVCache for c in caches)
         self._layers = len(caches)
+        if compiled is None:
+            compiled = COMPILE_DRAFT
+        self.compiled = CompiledForward(model, vocab) if compiled and self.usable else None
+        if self.compiled is not None and not self.compiled.works(self._layers):
+            self.compiled = None
 
     def sync(self, uids: list[int], contexts: list[list[int]]) -> bool:
         """Make the cache's rows the batch's `uids` (in order), each holding `contexts[i]`
@@ -243,7 +338,11 @@ class DraftModel:
                            axis=1)
         out = []
         for j in range(k):
-            logits = self.model(x, cache=self.caches)[:, -1, : self.vocab].astype(mx.float32)
+            if self.compiled is not None:
+                logits = self.compiled(x, self.caches)
+            else:
+                logits = self.model(x, cache=self.caches)[:, -1, : self.vocab].astype(
+                    mx.float32)
             if adjust is not None:
                 short = (self.vocab or 0) - logits.shape[-1]
                 if short > 0:  # the ids a bias or a stop may name, past the draft's: never guessed
