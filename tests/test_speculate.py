@@ -154,27 +154,37 @@ def test_the_draft_evaluates_whatever_work_it_says_it_did(monkeypatch):
     assert draft.sync([2, 3], contexts) is False and not evaluated  # nothing to do
 
 
-def test_the_drafts_guesses_are_what_it_guesses_for_each_rows_whole_context():
+def _alone(model, context: list[int], pending: int, k: int) -> list[int]:
+    """The draft's k greedy guesses after `pending` for one row's context, from scratch."""
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([context + [pending]]), cache=cache)[:, -1]
+    out = []
+    for _ in range(k):
+        out.append(int(mx.argmax(logits, axis=-1).item()))
+        logits = model(mx.array([[out[-1]]]), cache=cache)[:, -1]
+    return out
+
+
+def _greedy(logprobs, j):
+    return mx.argmax(logprobs, axis=-1)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_the_drafts_guesses_are_what_it_guesses_for_each_rows_whole_context(compiled):
     """The draft's batch cache follows each row through steps that keep different numbers of
     its guesses, plain steps it missed, rows leaving and joining: every step's guesses are the
-    ones the draft makes for the row's context from scratch, alone."""
+    ones the draft makes for the row's context from scratch, alone; with its forward compiled
+    (the default: the demo draft's compiles) and as mlx-lm runs it."""
     draft_lm = load_model(str(DEMO_DRAFT_MODEL))
     model, k = draft_lm.model, 4
-    draft = speculate.DraftModel(model)
+    draft = speculate.DraftModel(model, compiled=compiled)
+    assert (draft.compiled is not None) == compiled
     rng = np.random.default_rng(3)
 
     def alone(context: list[int], pending: int) -> list[int]:
-        cache = make_prompt_cache(model)
-        logits = model(mx.array([context + [pending]]), cache=cache)[:, -1]
-        out = []
-        for _ in range(k):
-            out.append(int(mx.argmax(logits, axis=-1).item()))
-            logits = model(mx.array([[out[-1]]]), cache=cache)[:, -1]
-        return out
+        return _alone(model, context, pending, k)
 
-    def greedy(logprobs, j):
-        return mx.argmax(logprobs, axis=-1)
-
+    greedy = _greedy
     prompts = [draft_lm.tokenizer.apply_chat_template(c, add_generation_prompt=True)
                for c in chats(QUESTIONS[:5])]
     rows = {uid: list(p) for uid, p in enumerate(prompts)}  # uid: the target cache's tokens
@@ -198,6 +208,58 @@ def test_the_drafts_guesses_are_what_it_guesses_for_each_rows_whole_context():
             pending[uid] = int(rng.integers(5, 200))
         draft.rollback([k - n for n in kept])
         assert draft.seen == [len(rows[u]) - 1 for u in live]
+
+
+def test_compiled_guesses_cross_the_cache_buffers_end_and_follow_a_cut_front():
+    """The compiled forward writes into the draft cache's buffer at a slot it is given; rows
+    whose contexts run past the buffer's 256 slots mid-step, and a buffer whose front a leaving
+    row's padding cut (any size), still get the guesses each row's context gives alone."""
+    model, k = load_model(str(DEMO_DRAFT_MODEL)).model, 6
+    draft = speculate.DraftModel(model)
+    assert draft.compiled is not None
+    rng = np.random.default_rng(11)
+    rows = {0: list(rng.integers(5, 700, 251)), 1: list(rng.integers(5, 700, 180)),
+            2: list(rng.integers(5, 700, 240))}
+    rows = {u: [int(t) for t in r] for u, r in rows.items()}
+    live = [0, 1, 2]
+    for step in range(5):
+        if step == 2:
+            live = [1, 2]  # the longest row leaves: the others' padding, the buffer's front, is cut
+        draft.sync(live, [rows[u] for u in live])
+        pending = [int(rng.integers(5, 700)) for _ in live]
+        guesses = draft.propose([rows[u][-1] for u in live], mx.array(pending), k,
+                                _greedy).tolist()
+        capacity = draft.caches[0].keys.shape[2]
+        assert capacity % speculate.CAPACITY_STEP == 0 and capacity >= draft.caches[0]._idx
+        for uid, p, guess in zip(live, pending, guesses, strict=True):
+            assert guess == _alone(model, rows[uid], p, k), (step, uid)
+        for uid, p, guess in zip(live, pending, guesses, strict=True):
+            rows[uid] += [p, *guess]  # every guess kept
+        draft.rollback([0] * len(live))
+    assert len(rows[2]) > 256 + k
+
+
+def test_a_draft_whose_forward_does_not_compile_guesses_uncompiled(caplog):
+    """An architecture that reads its cache in a way the compiled forward's cache does not
+    serve is found out when the draft loads: it says so in the log and guesses as mlx-lm runs
+    it, the same guesses."""
+    model = load_model(str(DEMO_DRAFT_MODEL)).model
+
+    class Peeking:  # reads its caches' state, which the compiled forward's do not have
+        layers = model.layers
+
+        def __call__(self, x, cache=None):
+            assert all(c.state is not None for c in cache)
+            return model(x, cache=cache)
+
+    with caplog.at_level("INFO", logger="batchrun"):
+        draft = speculate.DraftModel(Peeking())
+    assert draft.compiled is None
+    assert "does not compile" in caplog.text and "drafting uncompiled" in caplog.text
+    contexts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    draft.sync([0, 1], contexts)
+    guesses = draft.propose([c[-1] for c in contexts], mx.array([30, 40]), 3, _greedy).tolist()
+    assert guesses == [_alone(model, c, p, 3) for c, p in zip(contexts, [30, 40], strict=True)]
 
 
 @pytest.mark.parametrize("concurrency", [1, 8])
