@@ -210,8 +210,8 @@ def _show_warnings() -> None:
 # default: engine.request.default_draft_tokens, written out (the CLI imports no engine module
 # before it must; a test checks they agree)
 @click.option("--draft-tokens", type=click.IntRange(1, 16), default=None,
-              help="tokens a row guesses ahead each speculative step [default: 6; 12 for "
-                   "--speculate ngram on a GPU]")
+              help="tokens a row guesses ahead each speculative step [default: 6; on a GPU "
+                   "8 for a draft model, 12 for --speculate ngram]")
 @click.option("--restart", is_flag=True, help="discard earlier progress of this job")
 @click.option("--quiet", is_flag=True, help="no progress bar")
 @click.option("--debug", is_flag=True, help="show tracebacks")

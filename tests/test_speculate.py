@@ -677,20 +677,25 @@ def test_the_guesses_a_step_default_alike_everywhere():
 
     from batchrun import api
     from batchrun.cli import cli
-    from batchrun.engine.request import DEFAULT_NGRAM_TOKENS_GPU, default_draft_tokens
+    from batchrun.engine.request import (
+        DEFAULT_DRAFT_MODEL_TOKENS_GPU,
+        DEFAULT_NGRAM_TOKENS_GPU,
+        default_draft_tokens,
+    )
 
     option = next(p for p in cli.commands["run"].params if p.name == "draft_tokens")
     assert isinstance(option, click.Option) and option.default is None
-    assert (f"default: {speculate.DEFAULT_DRAFT_TOKENS}; {DEFAULT_NGRAM_TOKENS_GPU} for "
-            "--speculate ngram on a GPU") in option.help
+    assert (f"default: {speculate.DEFAULT_DRAFT_TOKENS}; on a GPU "
+            f"{DEFAULT_DRAFT_MODEL_TOKENS_GPU} for a draft model, {DEFAULT_NGRAM_TOKENS_GPU} for "
+            "--speculate ngram") in " ".join(option.help.split())
     assert api.RunOptions().draft_tokens is None  # the default, resolved where the job is planned
     assert default_draft_tokens("ngram", gpu=True) == DEFAULT_NGRAM_TOKENS_GPU == 12
-    assert default_draft_tokens("draft", gpu=True) == speculate.DEFAULT_DRAFT_TOKENS == 6
+    assert default_draft_tokens("draft", gpu=True) == DEFAULT_DRAFT_MODEL_TOKENS_GPU == 8
     assert default_draft_tokens("ngram", gpu=False) == default_draft_tokens("draft", gpu=False) == 6
-    on_this_device = default_draft_tokens("ngram")
-    assert on_this_device == (12 if mx.default_device() != mx.cpu else 6)
-    assert EngineConfig(speculate="ngram").draft_tokens == on_this_device
-    assert EngineConfig(speculate="draft", draft_model="d").draft_tokens == 6
+    gpu = mx.default_device() != mx.cpu
+    assert default_draft_tokens("ngram") == (12 if gpu else 6)
+    assert EngineConfig(speculate="ngram").draft_tokens == (12 if gpu else 6)
+    assert EngineConfig(speculate="draft", draft_model="d").draft_tokens == (8 if gpu else 6)
     assert EngineConfig(speculate="ngram", draft_tokens=3).draft_tokens == 3
 
 

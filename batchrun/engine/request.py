@@ -136,9 +136,13 @@ class Output:
 # Prompt lookup on a GPU guesses 12: its guesses cost nothing and a wider verification about
 # the same there, and extraction rows decoded 2.1-2.2x faster with 12 against 1.7x with 6 on an
 # H100 (every run of session 25); on the CPU 6 (12 a row fit the verification's cap only once
-# 4 rows are left: 1.1x against 1.3x).
+# 4 rows are left: 1.1x against 1.3x). A draft model on a GPU guesses 8: with its forward
+# compiled, a guess costs a fraction of a plain step there, and the demo's essays decoded 1.84-1.99x
+# faster with 8 against 1.74-1.97x with 6 in four runs of session 26 on three H100 hosts (8 was at
+# 1.8x or more in every run, 6 in two of four); on the CPU 6 (8 rows x 9 tokens pass the cap).
 DEFAULT_DRAFT_TOKENS = 6
 DEFAULT_NGRAM_TOKENS_GPU = 12
+DEFAULT_DRAFT_MODEL_TOKENS_GPU = 8
 
 
 def default_draft_tokens(method: str, gpu: bool | None = None) -> int:
@@ -147,7 +151,9 @@ def default_draft_tokens(method: str, gpu: bool | None = None) -> int:
         import mlx.core as mx
 
         gpu = mx.default_device() != mx.cpu
-    return DEFAULT_NGRAM_TOKENS_GPU if method == "ngram" and gpu else DEFAULT_DRAFT_TOKENS
+    if not gpu:
+        return DEFAULT_DRAFT_TOKENS
+    return DEFAULT_NGRAM_TOKENS_GPU if method == "ngram" else DEFAULT_DRAFT_MODEL_TOKENS_GPU
 
 
 @dataclass(slots=True)
