@@ -201,7 +201,8 @@ class CompiledForward:
 
     def works(self, layers: int) -> bool:
         """Whether the model traces with the compiled forward's cache and gives what its own
-        forward gives (an architecture that reads its cache otherwise does not)."""
+        forward gives (an architecture that reads its cache otherwise does not), within the
+        rounding a fused half-precision operation may differ by."""
         try:
             tokens = mx.array([[1, 2, 3, 4]])
             mine, theirs = ([DraftCache([1]) for _ in range(layers)] for _ in range(2))
@@ -209,7 +210,14 @@ class CompiledForward:
             self.model(tokens[:, :3], cache=theirs)
             got = self(tokens[:, 3:], mine)
             want = self.model(tokens[:, 3:], cache=theirs)[:, -1, : self.vocab]
-            return bool(mx.allclose(got, want.astype(mx.float32), rtol=1e-3, atol=1e-3))
+            tolerance = (1e-3 if want.dtype == mx.float32 else 2e-2) * (
+                1 + mx.abs(want).max().item())
+            want = want.astype(mx.float32)
+            if mx.abs(got - want).max().item() <= tolerance:
+                return True
+            log.info("the draft model's compiled forward differs from its own: drafting "
+                     "uncompiled")
+            return False
         except Exception as e:  # noqa: BLE001 (any failure means: draft uncompiled)
             log.info("the draft model's forward does not compile (%s: %s): drafting uncompiled",
                      type(e).__name__, e)
