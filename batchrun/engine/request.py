@@ -139,7 +139,8 @@ class Output:
 # 4 rows are left: 1.1x against 1.3x). A draft model on a GPU guesses 8: with its forward
 # compiled, a guess costs a fraction of a plain step there, and the demo's essays decoded 1.84-1.99x
 # faster with 8 against 1.74-1.97x with 6 in four runs of session 26 on three H100 hosts (8 was at
-# 1.8x or more in every run, 6 in two of four); on the CPU 6 (8 rows x 9 tokens pass the cap).
+# 1.8x or more in every run, 6 in two of four; on an H200 both, 6 ahead: 2.29x against 2.09x);
+# on the CPU 6 (8 rows x 9 tokens pass the cap).
 DEFAULT_DRAFT_TOKENS = 6
 DEFAULT_NGRAM_TOKENS_GPU = 12
 DEFAULT_DRAFT_MODEL_TOKENS_GPU = 8
