@@ -180,11 +180,6 @@ def test_the_drafts_guesses_are_what_it_guesses_for_each_rows_whole_context(comp
     draft = speculate.DraftModel(model, compiled=compiled)
     assert (draft.compiled is not None) == compiled
     rng = np.random.default_rng(3)
-
-    def alone(context: list[int], pending: int) -> list[int]:
-        return _alone(model, context, pending, k)
-
-    greedy = _greedy
     prompts = [draft_lm.tokenizer.apply_chat_template(c, add_generation_prompt=True)
                for c in chats(QUESTIONS[:5])]
     rows = {uid: list(p) for uid, p in enumerate(prompts)}  # uid: the target cache's tokens
@@ -199,9 +194,9 @@ def test_the_drafts_guesses_are_what_it_guesses_for_each_rows_whole_context(comp
             live = [0, 2, 3, 4]  # row 1 left, rows 3 and 4 joined
         draft.sync(live, [rows[u] for u in live])
         guesses = draft.propose([rows[u][-1] for u in live],
-                                mx.array([pending[u] for u in live]), k, greedy).tolist()
+                                mx.array([pending[u] for u in live]), k, _greedy).tolist()
         for uid, guess in zip(live, guesses, strict=True):
-            assert guess == alone(rows[uid], pending[uid]), (step, uid)
+            assert guess == _alone(model, rows[uid], pending[uid], k), (step, uid)
         kept = [int(rng.integers(0, k + 1)) for _ in live]
         for uid, guess, n in zip(live, guesses, kept, strict=True):
             rows[uid] += [pending[uid], *guess[:n]]

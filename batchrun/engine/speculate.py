@@ -144,6 +144,11 @@ COMPILE_DRAFT = True  # whether a draft's guesses run compiled (CompiledForward)
 CAPACITY_STEP = 256  # a compiled draft forward's cache capacity grows in these (one trace each)
 
 
+def _last_logits(model, tokens: mx.array, cache: list, vocab: int | None) -> mx.array:
+    """The model's logits at each row's last position (rows, vocab), in float32: a guess's."""
+    return model(tokens, cache=cache)[:, -1, :vocab].astype(mx.float32)
+
+
 class _Slot:
     """One layer's draft cache as the compiled forward (`CompiledForward`) sees it: the whole
     buffer of keys and values, the rows' starts and RoPE offsets, and the slot the step's first
@@ -182,7 +187,7 @@ class CompiledForward:
     def _graph(self, tokens, at, left_padding, offset, *buffers):
         slots = [_Slot(buffers[i], buffers[i + 1], at, left_padding, offset)
                  for i in range(0, len(buffers), 2)]
-        logits = self.model(tokens, cache=slots)[:, -1, : self.vocab].astype(mx.float32)
+        logits = _last_logits(self.model, tokens, slots, self.vocab)
         return (logits, *(a for s in slots for a in (s.keys, s.values)))
 
     def __call__(self, tokens: mx.array, caches: list[BatchKVCache]) -> mx.array:
@@ -346,11 +351,8 @@ class DraftModel:
                            axis=1)
         out = []
         for j in range(k):
-            if self.compiled is not None:
-                logits = self.compiled(x, self.caches)
-            else:
-                logits = self.model(x, cache=self.caches)[:, -1, : self.vocab].astype(
-                    mx.float32)
+            logits = self.compiled(x, self.caches) if self.compiled is not None else \
+                _last_logits(self.model, x, self.caches, self.vocab)
             if adjust is not None:
                 short = (self.vocab or 0) - logits.shape[-1]
                 if short > 0:  # the ids a bias or a stop may name, past the draft's: never guessed
