@@ -9,9 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-CHUNK = 1 << 20
+from batchrun.models.fingerprint import weight_digests
+
 MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-               "chat_template.json", "generation_config.json", "special_tokens_map.json")
+               "chat_template.json", "generation_config.json", "special_tokens_map.json",
+               "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+WEIGHT_FILES = ("*.safetensors", "*.gguf")
 # A vision model's image preprocessing changes its image KV without changing any token.
 VISION_FILES = ("preprocessor_config.json", "processor_config.json",
                 "video_preprocessor_config.json")
@@ -221,11 +224,10 @@ def context_length(config: dict) -> int | None:
 def model_fingerprint(model_path: str) -> str:
     """Changes when weights, tokenizer, chat template, dtype or the MLX / mlx-lm versions do.
 
-    `model_path` is the local folder that is loaded (see `local_path`). In a Hugging Face hub
-    snapshot (`.../snapshots/<revision>/`, files linked to content-addressed blobs) the revision
-    and each weight file's blob name (its SHA-256) identify the weights exactly. Elsewhere
-    weight files are hashed by name, size and their first and last megabyte: cheap for a
-    multi-GB model, and any re-conversion or re-quantization changes them.
+    `model_path` is the local folder that is loaded (see `local_path`). Every byte of every
+    weight file is covered: each file's SHA-256, remembered between runs while the file is
+    unchanged (fingerprint.py), so a multi-GB model is read in full once. In a Hugging Face hub
+    snapshot (`.../snapshots/<revision>/`) the revision is covered too.
     """
     import mlx.core as mx
     import mlx_lm
@@ -250,14 +252,8 @@ def model_fingerprint(model_path: str) -> str:
         p = root / name
         if p.is_file():
             h.update(name.encode() + p.read_bytes())
-    for p in sorted(root.glob("*.safetensors")):
-        size = p.stat().st_size
-        h.update(f"{p.name}:{size}".encode())
-        if p.is_symlink() and root.parent.name == "snapshots":
-            h.update(f"blob={Path(os.readlink(p)).name}".encode())
-            continue
-        with open(p, "rb") as f:
-            h.update(f.read(CHUNK))
-            f.seek(max(0, size - CHUNK))
-            h.update(f.read(CHUNK))
+    weights = sorted(p for pattern in WEIGHT_FILES for p in root.glob(pattern))
+    digests = weight_digests(weights)
+    for p in weights:
+        h.update(f"{p.name}:sha256={digests[p]};".encode())
     return h.hexdigest()
