@@ -7,7 +7,9 @@ a code and a message that starts with the field; nothing else escapes. A LoadedI
 decoded RGB with its EXIF orientation applied, and its digest depends only on its pixels.
 
 Rows are untrusted (a MediaPolicy says what they may reach): a local path is read only if it
-resolves, after symlinks, under an allowed root, and only if it is a regular file; an http(s)
+lies under an allowed root (`..` taken by its words, never climbing above the root), is opened
+from that root one name at a time without following any symbolic link, and is a regular file
+within the byte limit; a data: URI over the limit is refused before it is decoded; an http(s)
 URL connects only to the public addresses its host resolved to (checked again on every
 redirect) unless private ones are allowed; one deadline bounds all of an image's network work;
 and no message quotes a file's or a response's content.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hashlib
 import http.client
 import io
@@ -29,10 +32,11 @@ import threading
 import time
 import urllib.request
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import unquote, unquote_to_bytes, urljoin, urlsplit
 
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -102,7 +106,16 @@ DEFAULT_POLICY = MediaPolicy()
 @dataclass(frozen=True, slots=True)
 class _Source:
     kind: str  # "bytes", "file" or "url"
-    value: Any  # bytes, a resolved Path, or the URL
+    value: Any  # bytes, a _LocalPath, or the URL
+
+
+class _LocalPath(NamedTuple):
+    root: str  # an allowed root, its own links resolved once
+    parts: tuple[str, ...]  # the names below it: no "", "." or ".."
+
+    @property
+    def path(self) -> Path:
+        return Path(self.root, *self.parts)
 
 
 def load_image(ref: str | bytes | dict, base_dir: Path, field: str,
@@ -158,8 +171,8 @@ class ImageCache:
 
     def _key(self, source: _Source, policy: MediaPolicy) -> tuple:
         if source.kind == "file":
-            st = _stat_file(source.value, self.max_bytes)
-            return ("file", str(source.value), st.st_mtime_ns, st.st_size)
+            st = _stat_local(source.value, self.max_bytes)
+            return ("file", str(source.value.path), st.st_mtime_ns, st.st_size)
         if source.kind == "url":  # what a URL gave depends on what it was allowed to reach
             return ("url", source.value, policy.allow_private_urls)
         return ("bytes", hashlib.sha256(source.value).hexdigest())
@@ -286,24 +299,42 @@ def _locate(ref: Any, base_dir: Path, policy: MediaPolicy, max_bytes: int) -> _S
     if scheme in ("http", "https"):
         return _Source("url", url)
     if scheme == "file":
-        return _Source("file", _allowed_path(_file_url_path(url), base_dir, policy))
+        return _Source("file", _allowed_path(str(_file_url_path(url)), base_dir, policy))
     if "://" in url:
         raise MediaError("invalid_image_url", f"unsupported URL scheme {scheme + '://'!r}; "
                          f"give {_SCHEMES}")
-    return _Source("file", _allowed_path(Path(url), base_dir, policy))
+    return _Source("file", _allowed_path(url, base_dir, policy))
 
 
-def _allowed_path(path: Path, base_dir: Path, policy: MediaPolicy) -> Path:
-    """The path with every symlink resolved, if that lies under the input file's folder or a
-    media root. Else one message whatever the path is: it must not tell whether the file
-    exists."""
-    real = Path(os.path.realpath(base_dir / path))  # an absolute `path` replaces base_dir
-    roots = (Path(os.path.realpath(root)) for root in (base_dir, *policy.roots))
-    if any(real.is_relative_to(root) for root in roots):
-        return real
+def _allowed_path(path: str, base_dir: Path, policy: MediaPolicy) -> _LocalPath:
+    """The allowed root that `path` lies under by its words alone (`..` removed lexically, no
+    link below a root resolved), and the names below it; the deepest root wins, so a root that
+    is a link inside another is walked from its target. Else one message whatever the path is:
+    it must not tell whether the file exists."""
+    if "\0" in path:
+        raise MediaError("invalid_image_url", "the image path holds a NUL character")
+    try:
+        target = Path(os.path.normpath(os.path.join(os.path.abspath(base_dir), path)))
+        found = max(_roots_holding(target, (base_dir, *policy.roots)), default=None,
+                    key=lambda match: len(match[0].parts))
+    except OSError as e:  # the current folder is gone, or a root moved while it resolved
+        raise MediaError("image_not_found", f"cannot read {path}: {e.strerror or e}") from None
+    if found is not None:
+        form, real = found
+        return _LocalPath(real, target.relative_to(form).parts)
     raise MediaError("image_path_not_allowed", "the image path lies outside the folders images "
                      "may be read from (the input file's folder and each --media-root); pass "
                      "--media-root DIR to allow the folder that holds it")
+
+
+def _roots_holding(target: Path, roots: tuple[Path, ...]) -> Iterator[tuple[Path, str]]:
+    """(the root as written or resolved, its resolved path) for each root that holds `target`.
+    A root's own links are the user's, so it may be named either way."""
+    for root in roots:
+        real = os.path.realpath(root)
+        for form in (Path(os.path.normpath(os.path.abspath(root))), Path(real)):
+            if target.is_relative_to(form):
+                yield form, real
 
 
 def _pick_from_dict(ref: dict) -> Any:
@@ -327,23 +358,54 @@ def _data_uri(url: str, max_bytes: int) -> bytes:
     if mime and not mime.startswith("image/"):
         raise MediaError("unsupported_image", f"the data URI's type is {mime!r}, not an image; "
                          "use data:image/png;base64,... (or jpeg, webp, gif)")
-    if "base64" not in params[1:]:
-        data = unquote_to_bytes(payload)
-    else:
-        payload = "".join(unquote(payload).split()).translate(_URLSAFE)
-        if len(payload) * 3 // 4 > max_bytes:
-            raise _too_large(len(payload) * 3 // 4, max_bytes)
-        try:
-            data = base64.b64decode(payload + "=" * (-len(payload) % 4), validate=True)
-        except (binascii.Error, ValueError) as e:
-            raise MediaError("invalid_image_url", f"the data URI is not valid base64 ({e}); "
-                             "re-encode the image with standard base64") from None
+    data = _data_base64(payload, max_bytes) if "base64" in params[1:] \
+        else _data_escaped(payload, max_bytes)
     if not data:
         raise MediaError("invalid_image_url", "the data URI holds no data")
     return data
 
 
-_URLSAFE = str.maketrans("-_", "+/")
+def _data_escaped(payload: str, max_bytes: int) -> bytes:
+    # Every byte takes at most 3 characters (%XX): a longer payload is too large undecoded.
+    if len(payload) > 3 * max_bytes:
+        raise _too_large(len(payload) // 3, max_bytes, at_least=True)
+    data = _unescaped(payload, max_bytes, strip=False)
+    if len(data) > max_bytes:
+        raise _too_large(len(data), max_bytes, at_least=True)
+    return data
+
+
+def _data_base64(payload: str, max_bytes: int) -> bytes:
+    limit = 4 * -(-max_bytes // 3)  # the longest base64 of an image within the limit
+    text = _unescaped(payload, limit, strip=True).translate(_URLSAFE)
+    size = len(text.rstrip(b"=")) * 3 // 4  # what it decodes to: 3 bytes for 4 characters
+    if size > max_bytes:
+        raise _too_large(size, max_bytes, at_least=len(text) > limit)
+    try:
+        return base64.b64decode(text + b"=" * (-len(text) % 4), validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise MediaError("invalid_image_url", f"the data URI is not valid base64 ({e}); "
+                         "re-encode the image with standard base64") from None
+
+
+def _unescaped(payload: str, limit: int, strip: bool) -> bytes:
+    """The payload with its %XX escapes decoded (and whitespace dropped if `strip`), a slice at
+    a time, stopping once past `limit` bytes: a huge URI is never decoded whole."""
+    out = bytearray()
+    start = 0
+    while start < len(payload) and len(out) <= limit:
+        end = start + _SLICE
+        if end < len(payload):  # never split an escape between slices
+            cut = payload.find("%", end - 2, end)
+            end = end if cut == -1 else cut
+        piece = unquote_to_bytes(payload[start:end])
+        out += b"".join(piece.split()) if strip else piece
+        start = end
+    return bytes(out)
+
+
+_SLICE = 1 << 16  # characters of a data URI decoded at once
+_URLSAFE = bytes.maketrans(b"-_", b"+/")
 
 
 def _file_url_path(url: str) -> Path:
@@ -356,7 +418,7 @@ def _file_url_path(url: str) -> Path:
 
 def _read(source: _Source, max_bytes: int, policy: MediaPolicy) -> bytes:
     if source.kind == "file":
-        return _read_file(source.value, max_bytes)
+        return _read_local(source.value, max_bytes)
     if source.kind == "url":
         return _fetch(source.value, max_bytes, policy)
     if len(source.value) > max_bytes:
@@ -366,6 +428,9 @@ def _read(source: _Source, max_bytes: int, policy: MediaPolicy) -> bytes:
 
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
           (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"))
+_DIR_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_DIRECTORY
+# Never blocking: a FIFO swapped in after the check opens at once, and fstat refuses it.
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
 def _check_regular(st: os.stat_result, path: Path, max_bytes: int) -> None:
@@ -377,42 +442,106 @@ def _check_regular(st: os.stat_result, path: Path, max_bytes: int) -> None:
         raise _too_large(st.st_size, max_bytes)
 
 
-def _stat_file(path: Path, max_bytes: int) -> os.stat_result:
-    """The stat of an allowed path; a path that is no regular file is refused without opening
-    it (opening a FIFO or a device could block or act)."""
+def _stat_local(local: _LocalPath, max_bytes: int) -> os.stat_result:
+    """The stat of an allowed file; one that is no regular file is refused without opening it
+    (opening a FIFO or a device could block or act)."""
+    with _file_errors(local):
+        parent = _open_parent(local)
+        try:
+            return _stat_in(parent, local, max_bytes)
+        finally:
+            os.close(parent)
+
+
+def _read_local(local: _LocalPath, max_bytes: int) -> bytes:
+    with _file_errors(local):
+        parent = _open_parent(local)
+        try:
+            _stat_in(parent, local, max_bytes)
+            fd = _open_in(parent, local, len(local.parts) - 1, _FILE_FLAGS)
+        finally:
+            os.close(parent)
+        try:
+            _check_regular(os.fstat(fd), local.path, max_bytes)
+            return _read_fd(fd, max_bytes)
+        finally:
+            os.close(fd)
+
+
+def _open_parent(local: _LocalPath) -> int:
+    """The folder that holds the file, opened from the root one name at a time, each relative
+    to the last and none through a link: a folder swapped for a link is refused, not followed,
+    and one swapped after it was opened no longer matters (its descriptor is held)."""
+    fd = os.open(local.root, _DIR_FLAGS)
     try:
-        st = path.stat()
-    except (FileNotFoundError, NotADirectoryError):
-        raise MediaError("image_not_found", f"file not found: {path} (relative paths resolve "
-                         "against the input file's folder)") from None
-    except OSError as e:
-        raise MediaError("image_not_found", f"cannot read {path}: {e.strerror or e}") from None
-    _check_regular(st, path, max_bytes)
+        for i in range(len(local.parts) - 1):
+            child = _open_in(fd, local, i, _DIR_FLAGS)
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_in(parent: int, local: _LocalPath, i: int, flags: int) -> int:
+    """Open the path's name `i` in `parent`; a link there is refused, in words that say so."""
+    try:
+        return os.open(local.parts[i], flags, dir_fd=parent)
+    except OSError:  # O_NOFOLLOW on a link: ELOOP, or ENOTDIR or EMLINK on some systems
+        if _is_link(parent, local.parts[i]):
+            raise _through_link(local, i) from None
+        raise
+
+
+def _stat_in(parent: int, local: _LocalPath, max_bytes: int) -> os.stat_result:
+    if not local.parts:  # the root itself, a folder
+        st = os.fstat(parent)
+    else:
+        st = os.stat(local.parts[-1], dir_fd=parent, follow_symlinks=False)
+        if stat.S_ISLNK(st.st_mode):
+            raise _through_link(local, len(local.parts) - 1)
+    _check_regular(st, local.path, max_bytes)
     return st
 
 
-def _read_file(path: Path, max_bytes: int) -> bytes:
-    _stat_file(path, max_bytes)
+def _is_link(parent: int, name: str) -> bool:
     try:
-        # The path is already resolved: a link here was swapped in since, so refuse it. And
-        # check what was opened, never blocking on it (a FIFO opened non-blocking returns).
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as e:
-        raise MediaError("image_not_found", f"cannot read {path}: {e.strerror or e}") from None
+        return stat.S_ISLNK(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _through_link(local: _LocalPath, i: int) -> MediaError:
+    link = Path(local.root, *local.parts[:i + 1])
+    return MediaError("image_path_not_allowed", f"the image path goes through a symbolic link "
+                      f"({link}), and links below the folders images may be read from are not "
+                      "followed (one could be swapped to lead elsewhere); give the file's real "
+                      "path, or pass the link itself as --media-root DIR")
+
+
+@contextlib.contextmanager
+def _file_errors(local: _LocalPath) -> Iterator[None]:
+    """Any OSError while finding or reading a local file is the row's image_not_found."""
     try:
-        _check_regular(os.fstat(fd), path, max_bytes)
-        chunks = []
-        size = 0
-        while size <= max_bytes:
-            chunk = os.read(fd, max_bytes + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
+        yield
+    except (FileNotFoundError, NotADirectoryError):
+        raise MediaError("image_not_found", f"file not found: {local.path} (relative paths "
+                         "resolve against the input file's folder)") from None
     except OSError as e:
-        raise MediaError("image_not_found", f"cannot read {path}: {e.strerror or e}") from None
-    finally:
-        os.close(fd)
+        raise MediaError("image_not_found", f"cannot read {local.path}: "
+                         f"{e.strerror or e}") from None
+
+
+def _read_fd(fd: int, max_bytes: int) -> bytes:
+    chunks = []
+    size = 0
+    while size <= max_bytes:
+        chunk = os.read(fd, max_bytes + 1 - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
     if size > max_bytes:
         raise _too_large(size, max_bytes)
     return b"".join(chunks)
@@ -768,6 +897,7 @@ def _corrupt(kind: str | None) -> MediaError:
                       "decoded; re-export the image")
 
 
-def _too_large(size: int, max_bytes: int) -> MediaError:
-    return MediaError("image_too_large", f"the image is {size / 1e6:.1f} MB, over the "
-                      f"{max_bytes / 1e6:g} MB limit; resize or recompress it")
+def _too_large(size: int, max_bytes: int, at_least: bool = False) -> MediaError:
+    return MediaError("image_too_large", f"the image is {'at least ' * at_least}"
+                      f"{size / 1e6:.1f} MB, over the {max_bytes / 1e6:g} MB limit; resize or "
+                      "recompress it")
