@@ -15,12 +15,15 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from batchrun.engine.load import load_engine
 from batchrun.engine.request import EngineConfig, SamplingParams
 from batchrun.io.files import fsync_folder
 from batchrun.models import MissingExtra  # re-exported: the CLI catches it
+
+if TYPE_CHECKING:
+    from batchrun.job.limits import RowLimits
 
 _SAMPLING = SamplingParams()
 log = logging.getLogger("batchrun")
@@ -113,6 +116,8 @@ class RunOptions:
     ray_num_cpus: float = 1.0
     ray_num_gpus: float = 0.0
     ray_slice_rows: int = 64
+    # Row size limits as NAME=VALUE items or a mapping (job.limits.RowLimits; docs/limits.md).
+    limit: tuple[str, ...] | dict | None = None
 
 
 class Job:
@@ -168,6 +173,7 @@ class Job:
             self._stdin_taken = True
         try:
             self._refuse_if_running()
+            self._refuse_linked_output()
             self._refuse_another_job()
             check_paths(self.spec)
         except BaseException:
@@ -181,6 +187,21 @@ class Job:
         if self._spool_written and not (spec.job_dir / "job.json").exists():
             spec.input.unlink(missing_ok=True)
             self._spool_written = False
+
+    def _refuse_linked_output(self) -> None:
+        """An output that is a link (or not a file) is said as such, before it could read as a
+        different job's output (job.json compares outputs as resolved places)."""
+        from batchrun.job import ownership
+        from batchrun.job.runner import JobConflict
+
+        spec = self.spec
+        try:
+            if spec.output == spec.results_path and spec.output.parent == spec.job_dir:
+                ownership.check_job_file(spec.output)
+            else:
+                ownership.check_output_file(spec.output)
+        except ownership.OutputConflict as e:
+            raise JobConflict(str(e)) from None
 
     def _refuse_if_running(self) -> None:
         from batchrun.job.listing import running_pid
@@ -280,7 +301,7 @@ class Job:
         the model's files: fingerprinted, not loaded) already has a record for every row, so
         nothing is left to run; else None."""
         from batchrun.job.listing import report_problem
-        from batchrun.job.state import DamagedFile, JobState, read_json
+        from batchrun.job.state import DamagedFile, JobState, file_digest, read_json
 
         spec = self.spec
         if spec.restart or not (spec.job_dir / "job.json").is_file():
@@ -299,9 +320,12 @@ class Job:
         if progress is None or progress.spill_bytes or progress.next_index != total \
                 or progress.rows_done + progress.rows_failed != total:
             return None
-        for path, size in ((spec.results_path, progress.results_bytes),
-                           (spec.errors_path, progress.errors_bytes)):
-            if (path.stat().st_size if path.is_file() else 0) != size:
+        for path, size, digest in ((spec.results_path, progress.results_bytes,
+                                    progress.results_sha256),
+                                   (spec.errors_path, progress.errors_bytes,
+                                    progress.errors_sha256)):
+            if (path.stat().st_size if path.is_file() else 0) != size or not digest \
+                    or file_digest(path, size).hexdigest() != digest:
                 return None  # the files and state.json disagree: the run's recovery mends it
         if spec.parquet_output and not spec.output.is_file():
             return None
@@ -420,7 +444,7 @@ def _dry_run(engine, spec, probe_rows: int) -> DryRun:
     probe, seen = [], OrderedDict()
     block = engine.config.prefix_block_size
     found = DryRun(0, 0, None, 0, 0, 0, 0, engine.max_concurrency)
-    for raw in read_rows(spec.input, 0):
+    for raw in read_rows(spec.input, 0, spec.rows.limits.row_bytes):
         found.rows += 1
         task = (RowError(raw.index, raw.line, "", "invalid_json", raw.error)
                 if raw.error is not None
@@ -662,6 +686,7 @@ def _plan(input_path: Path, o: RunOptions):
     """The job's spec, engine config, constraint and where its sampling defaults come from
     (UsageError if an option is bad)."""
     from batchrun.engine.request import SamplingParams
+    from batchrun.job.limits import parse_limits
     from batchrun.job.rows import RowOptions
     from batchrun.job.runner import JobSpec, default_job_dir
     from batchrun.paths import default_cache_dir
@@ -673,7 +698,11 @@ def _plan(input_path: Path, o: RunOptions):
     input_path = _input_path(input_path, o)
     _check_template(o.prompt_template)
     _check_image_column(o)
-    constraint = _constraint(o)
+    try:
+        limits = parse_limits(o.limit)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    constraint = _constraint(o, limits)
     sampling, sources = _sampling_defaults(o)
     try:
         defaults = SamplingParams(
@@ -708,6 +737,10 @@ def _plan(input_path: Path, o: RunOptions):
     except ValueError as e:
         raise UsageError(str(e)) from None
     job_dir = Path(o.job_dir) if o.job_dir else default_job_dir(input_path)
+    if os.path.lexists(job_dir) and not job_dir.is_dir():
+        kind = "a symbolic link" if job_dir.is_symlink() else "a file"
+        raise UsageError(f"--job-dir {job_dir} is {kind}, not a folder: pass a folder's path "
+                         "(it is made if absent)")
     output = Path(o.output) if o.output else job_dir / "results.jsonl"
     if output.suffix.lower() in OTHER_FORMATS:
         raise UsageError(f"-o {output}: batchrun writes JSONL (.jsonl) or Parquet (.parquet), "
@@ -722,7 +755,7 @@ def _plan(input_path: Path, o: RunOptions):
                       allow_private_urls=bool(o.allow_private_urls),
                       media_timeout=float(o.media_timeout),
                       served_model_names=served_names(o.served_model_name),
-                      expected_column=o.expected_column)
+                      expected_column=o.expected_column, limits=limits)
     if from_stdin:  # relative image paths in rows from stdin start at the current folder
         rows.base_dir = Path.cwd()
     spec = JobSpec(input_path, job_dir, output, o.model, rows, restart=o.restart, quiet=o.quiet)
@@ -745,10 +778,11 @@ IMAGE_COLUMN_NEEDS_VISION = ("--image-column needs a vision model (pass --model 
                              "--vision to force the vision path)")
 
 
-def _constraint(o: RunOptions):
+def _constraint(o: RunOptions, limits: RowLimits):
     """The job-wide constraint from json_schema, choices or regex (at most one), checked to
     compile as far as it can be without the model's tokenizer."""
     from batchrun.engine.constrain import Constraint, ConstraintError
+    from batchrun.job.rows import RowRejected, check_choices
 
     given = [f"--{name.replace('_', '-')}" for name in ("json_schema", "choices", "regex")
              if getattr(o, name) is not None]
@@ -764,6 +798,7 @@ def _constraint(o: RunOptions):
             choices = o.choices
             if isinstance(choices, str):
                 choices = [c.strip() for c in choices.split(",")]
+            check_choices(list(choices), limits, "--choices")
             constraint = Constraint.choices(list(choices))
         elif o.regex is not None:
             constraint = Constraint.regex(o.regex)
@@ -771,6 +806,8 @@ def _constraint(o: RunOptions):
             return None
     except ConstraintError as e:
         raise UsageError(f"{given[0]}: {e}") from None
+    except RowRejected as e:
+        raise UsageError(str(e)) from None
     problem = _grammar_problem(constraint)
     if problem:
         raise UsageError(f"{given[0]}: {constraint.describe()} does not compile: {problem}")
@@ -808,14 +845,14 @@ def _check_template(template: str | None) -> None:
 
 def _local_runner(job: Job):
     """The job runner with the model loaded in this process (a text or a vision engine)."""
+    from batchrun.job.limits import image_cache
     from batchrun.job.runner import JobRunner
 
     o, spec = job.options, job.spec
     engine = load_engine(o.model, job.config, o.vision or None)
+    spec.rows.limits = spec.rows.limits.for_context(engine.context_length)
     if engine.backend.accepts_images:
-        from batchrun.io.media import ImageCache
-
-        spec.rows.images = ImageCache()
+        spec.rows.images = image_cache(spec.rows.limits)
     elif o.image_column:
         raise UsageError(IMAGE_COLUMN_NEEDS_VISION)
     if job.constraint is not None:

@@ -3,7 +3,7 @@
 Exit codes: 0 every row has a result or an error record; 1 a fatal error (progress kept);
 2 a usage error (a bad flag or job-file value, a missing input, a refused job), said before the
 model loads; 3 with --fail-on-row-errors when a row failed; 130 interrupted by Ctrl-C, 143
-stopped by SIGTERM (progress kept). With `-o -`, stdout carries result lines only.
+stopped by SIGTERM, 129 by SIGHUP (progress kept). With `-o -`, stdout carries result lines only.
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ JOB_FILE_KEYS = ("input", "model", "output", "job_dir", "format", "max_concurren
                  "speculate", "draft_model", "draft_tokens", "json_schema", "choices",
                  "regex", "n", "logprobs", "top_logprobs", "image_column", "media_root",
                  "allow_private_urls", "media_timeout", "vision", "ray_address",
-                 "ray_actors", "ray_num_cpus", "ray_num_gpus", "ray_slice_rows")
+                 "ray_actors", "ray_num_cpus", "ray_num_gpus", "ray_slice_rows", "limit")
 ROWS_FAILED = 3  # exit code of --fail-on-row-errors when a row failed
-SIGNAL_EXITS = (130, 143)  # exit codes after Ctrl-C and SIGTERM
+SIGNAL_EXITS = (129, 130, 143)  # exit codes after SIGHUP, Ctrl-C and SIGTERM
+MAX_SEED = 2**64 - 1  # engine.request.MAX_SEED (not imported: it loads MLX)
 STDIN = "-"  # as INPUT: JSONL rows on stdin; as -o: results on stdout
 FAST_EXIT_ENV = "BATCHRUN_FAST_EXIT"  # 0: the interpreter's full teardown at exit
 FAST_EXIT_WAIT_S = 1.0  # how long the exit waits for threads still ending
@@ -136,7 +137,7 @@ def _show_warnings() -> None:
 @click.option("--min-p", type=click.FloatRange(0, 1, max_open=True), default=None,
               help="drop tokens less likely than this times the likeliest; 0 is off "
                    "[default: the model's generation_config.json, else 0]")
-@click.option("--seed", type=int, default=None,
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=None,
               help="base seed: a sampled row without its own seed gets one from this and its "
                    "position")
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
@@ -164,6 +165,9 @@ def _show_warnings() -> None:
               help="let image URLs reach loopback, private and link-local addresses")
 @click.option("--media-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0,
               show_default=True, help="seconds one image may take to fetch, redirects included")
+@click.option("--limit", multiple=True, metavar="NAME=VALUE",
+              help="raise or lower a row size limit (repeatable): row-bytes, prompt-chars, "
+                   "choices, choice-chars, image-bytes; sizes take K, M, G [docs/limits.md]")
 @click.option("--ray", "ray_address", default=None, metavar="ADDRESS|local",
               help="shard the job over a Ray cluster (local: one started in this process)")
 @click.option("--ray-actors", type=click.IntRange(min=1), default=2, show_default=True,
@@ -242,18 +246,21 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
     spooled: list[Path] = []  # the stdin job's input, once spooled
     main_thread = threading.current_thread() is threading.main_thread()
     if main_thread:  # SIGTERM before the job's own handling (loading, recovering) stops too
-        previous = signal.signal(signal.SIGTERM, _terminated)
+        previous = {s: signal.signal(s, _terminated) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         with _stdout_to_stderr(to_stdout):
             code, spec = _run(ctx, input_path, opts, spooled, job_file)
     except KeyboardInterrupt as e:  # before the job's own handling (loading), or a second one
-        how = "stopped by SIGTERM" if isinstance(e, Terminated) else "interrupted"
+        signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
+        how = "interrupted" if signum == signal.SIGINT else \
+            f"stopped by {signal.Signals(signum).name}"
         click.echo(f"{how}: progress so far is kept; run the same command to resume "
                    f"({resume_command(sys.argv[2:], *spooled[:1])})", err=True)
-        ctx.exit(128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT))
+        ctx.exit(128 + signum)
     finally:
         if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
     if isinstance(spec, str):  # a dry run's findings: on stdout, -o - or not
         click.echo(spec)
     elif to_stdout and spec is not None:
@@ -269,11 +276,15 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM arrived before the job's own signal handling began."""
+    """SIGTERM or SIGHUP arrived before the job's own signal handling began."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _terminated(signum, frame) -> None:
-    raise Terminated
+    raise Terminated(signum)
 
 
 def _is_dash(path: Path | str | None) -> bool:
@@ -628,6 +639,8 @@ def _merge_job_file(ctx: click.Context, path: Path, opts: dict) -> dict:
             value = str(path.parent / value)
         elif key == "stop" and isinstance(value, str):
             value = (value,)
+        elif key == "limit" and isinstance(value, dict):  # [limit] row-bytes = "128M"
+            value = tuple(f"{name}={v}" for name, v in value.items())
         elif key == "media_root":  # one folder or a list, each relative to the job file
             value = tuple(path.parent / _job_file_str(path, key, v)
                           for v in ([value] if isinstance(value, str) else value))
@@ -738,8 +751,12 @@ def report(job_dir: Path) -> None:
         raise _fail(f"{job_dir} has no state.json", "resume the job with batchrun run")
     fresh = rp.build_report(manifest, progress, saved["rows_total"], saved["runs"],
                             saved["device"])
-    rp.write_report(job_dir, fresh)
     click.echo(rp.summary_text(fresh))
+    try:
+        rp.write_report(job_dir, fresh)
+    except OSError as e:
+        raise _fail(f"report.json and report.html in {job_dir} could not be rewritten: "
+                    f"{e.strerror or e}", "the figures above are current") from None
     click.echo(f"report:     {job_dir / 'report.html'}")
 
 
@@ -963,6 +980,29 @@ def main() -> None:
         if e.code in SIGNAL_EXITS:
             _exiting_on_a_signal()
         raise
+    except Exception as e:  # what no command foresaw (the machine's limits): one line
+        if "--debug" in sys.argv[1:]:
+            raise
+        click.echo(f"Error: {_unforeseen(e)}", err=True)
+        sys.exit(1)
+
+
+def _unforeseen(e: Exception) -> str:
+    """One line for an error no command handled, with what to do where that is known."""
+    text = " ".join(str(e).split())
+    if isinstance(e, MemoryError):
+        return "out of memory: give the process more memory, or lower --max-concurrency"
+    if isinstance(e, RuntimeError) and "new thread" in text:
+        return ("this process may not start another thread (its memory or process limit, "
+                "ulimit -v / -u, is too low): raise the limit and run the command again")
+    if isinstance(e, ValueError) and "maximum limit" in text:
+        return ("too few open files are allowed (ulimit -n): allow at least 1024 and run the "
+                "command again")
+    if isinstance(e, OSError) and e.strerror:
+        where = f": {e.filename}" if e.filename else ""
+        return f"{e.strerror}{where}"
+    text = text if len(text) <= 300 else text[:300] + "..."
+    return f"{type(e).__name__}: {text} (run with --debug for the traceback)"
 
 
 def entry() -> None:
@@ -1025,9 +1065,9 @@ def _exit_now(code: int) -> None:
 
 
 def _exiting_on_a_signal() -> None:
-    """This process exits after Ctrl-C or SIGTERM, with that exit code: a signal arriving
+    """This process exits after Ctrl-C, SIGTERM or SIGHUP, with that exit code: a signal arriving
     again while it shuts down (threads joined, a native library's handler) must not end it by
     the signal instead (seen once in CI under load: exit -2 after the message). Only in the
     process's own `main`: an ignored signal would be inherited by processes started later."""
-    for s in (signal.SIGINT, signal.SIGTERM):
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, signal.SIG_IGN)

@@ -19,6 +19,9 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"  # the request could not be run (see Output.error)
 
 
+MAX_SEED = 2**64 - 1  # a seed is one unsigned 64-bit integer (mx.random.key's)
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     """Per-request sampling. Raises ValueError naming the field on a bad value."""
@@ -60,7 +63,9 @@ class SamplingParams:
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k,
                "an integer >= 0 (0 disables it)")
         _check(_finite(self.min_p) and 0 <= self.min_p < 1, "min_p", self.min_p, "in [0, 1)")
-        _check(self.seed is None or isinstance(self.seed, int), "seed", self.seed, "an integer")
+        _check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                     and 0 <= self.seed <= MAX_SEED),
+               "seed", self.seed, f"an integer in [0, {MAX_SEED}]")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
                "non-empty strings")
         _check(isinstance(self.top_logprobs, int) and 0 <= self.top_logprobs <= 20,

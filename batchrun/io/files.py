@@ -1,10 +1,26 @@
-"""Durable file writes."""
+"""Durable file writes, and files opened without following links.
+
+A file batchrun creates is never reached through a symbolic link: a link planted under a name
+batchrun writes would otherwise send the data elsewhere. New files are created exclusively
+(O_EXCL refuses any existing name, a link included); files batchrun appends to are opened with
+O_NOFOLLOW and must be regular files.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import stat
 import tempfile
 from pathlib import Path
+from typing import BinaryIO
+
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
+class NotRegularFile(OSError):
+    """A name batchrun writes is taken by a link, a FIFO, a folder or a device."""
 
 
 def write_atomic(path: Path, data: bytes) -> None:
@@ -22,6 +38,36 @@ def write_atomic(path: Path, data: bytes) -> None:
             os.unlink(tmp)
         raise
     fsync_folder(path.parent)
+
+
+def create_new(path: Path, mode: int = 0o644) -> BinaryIO:
+    """`path` created for writing; FileExistsError if the name is taken (a link included)."""
+    return os.fdopen(os.open(path, _NEW, mode), "wb")
+
+
+def replace_new(path: Path, mode: int = 0o644) -> BinaryIO:
+    """`path` created anew for writing: a leftover of an earlier run (a file or a link of that
+    name) is removed first, never written through."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return create_new(path, mode)
+
+
+def open_append(path: Path) -> BinaryIO:
+    """`path` opened for appending (created if absent), never through a link; NotRegularFile
+    if it is not a regular file."""
+    try:
+        fd = os.open(path, _APPEND, 0o644)
+    except OSError as e:
+        if os.path.islink(path):
+            raise NotRegularFile(e.errno, f"{path} is a symbolic link") from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise NotRegularFile(f"{path} is not a regular file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "ab")
 
 
 def fsync_folder(folder: Path) -> None:

@@ -4,6 +4,11 @@ Every non-blank line becomes exactly one RawRow: a parsed value, or the reason i
 parsed. Blank lines are skipped but still counted, so `line` is the 1-based line in the file.
 A file that cannot be read to its end (a truncated or corrupt .gz, an I/O error) raises
 InputError, whose message names the file and the problem.
+
+No line is held in memory past `max_line` bytes (a gzip file of a few MB can hold a line of
+GBs): a longer line is skipped in pieces and becomes a row whose error gives its size. A value
+nested deeper than MAX_DEPTH (which would exhaust Python's recursion when printed or compiled)
+is its row's error too.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ class InputError(Exception):
 
 
 GZIP_MAGIC = b"\x1f\x8b"
+MAX_LINE_BYTES = 64 << 20  # a row's line, unless the job sets --limit row-bytes
+MAX_DEPTH = 100  # levels of lists and objects in one row
+_SKIP_CHUNK = 1 << 20
 
 
 def open_binary(path: str | Path):
@@ -64,32 +72,74 @@ def _reading(path: Path):
         raise InputError(f"{path} cannot be read: {e.strerror or e}") from None
 
 
-def count_jsonl(path: str | Path) -> int:
-    """Non-blank lines: the rows of the file."""
+def count_jsonl(path: str | Path, max_line: int = MAX_LINE_BYTES) -> int:
+    """Non-blank lines: the rows of the file (a line over `max_line` bytes is one)."""
     with _reading(Path(path)), open_binary(path) as f:
-        return sum(1 for line in f if line.strip())
+        return sum(1 for raw, _ in _lines(f, max_line) if raw is None or raw.strip())
 
 
-def read_jsonl(path: str | Path, start: int = 0) -> Iterator[RawRow]:
+def read_jsonl(path: str | Path, start: int = 0,
+               max_line: int = MAX_LINE_BYTES) -> Iterator[RawRow]:
     """Rows from index `start` on; earlier rows are skipped without being parsed."""
     with _reading(Path(path)):
-        yield from _rows(path, start)
+        yield from _rows(path, start, max_line)
 
 
-def _rows(path: str | Path, start: int) -> Iterator[RawRow]:
+def _rows(path: str | Path, start: int, max_line: int) -> Iterator[RawRow]:
     index = 0
     with open_binary(path) as f:
-        for line_no, raw in enumerate(f, start=1):
-            if not raw.strip():
+        for line_no, (raw, size) in enumerate(_lines(f, max_line), start=1):
+            if raw is not None and not raw.strip():
                 continue
             if index < start:
                 index += 1
                 continue
-            try:
-                yield RawRow(index, line_no, orjson.loads(raw))
-            except orjson.JSONDecodeError as e:
-                yield RawRow(index, line_no, error=_describe(e, raw))
+            if raw is None:
+                yield RawRow(index, line_no, error=f"the line is {size:,} bytes, over the limit "
+                             f"of {max_line:,} (--limit row-bytes=N raises it)")
+            else:
+                yield _parsed(index, line_no, raw)
             index += 1
+
+
+def _lines(f, max_line: int) -> Iterator[tuple[bytes | None, int]]:
+    """Each line and its size; None in place of a line over `max_line` bytes (never read
+    whole)."""
+    while raw := f.readline(max_line + 1):
+        if len(raw) <= max_line or raw.endswith(b"\n"):
+            yield raw, len(raw)
+            continue
+        size = len(raw)
+        del raw
+        while (piece := f.readline(_SKIP_CHUNK)) and not piece.endswith(b"\n"):
+            size += len(piece)
+        yield None, size + len(piece)
+
+
+def _parsed(index: int, line_no: int, raw: bytes) -> RawRow:
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        return RawRow(index, line_no, error=_describe(e, raw))
+    if too_deep(value):
+        return RawRow(index, line_no, error=f"the row nests lists and objects more than "
+                      f"{MAX_DEPTH} levels deep")
+    return RawRow(index, line_no, value)
+
+
+def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
+    """Whether `value` nests lists and objects more than `limit` levels (walked without
+    recursion, stopping at the first level past the limit)."""
+    level = [value] if isinstance(value, (dict, list)) else []
+    for _ in range(limit):
+        below = []
+        for item in level:
+            children = item.values() if isinstance(item, dict) else item
+            below.extend(c for c in children if isinstance(c, (dict, list)))
+        if not below:
+            return False
+        level = below
+    return True
 
 
 def _describe(e: orjson.JSONDecodeError, raw: bytes) -> str:

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from batchrun.io.jsonl import RawRow, count_jsonl, read_jsonl
+from batchrun.io.files import replace_new
+from batchrun.io.jsonl import MAX_LINE_BYTES, RawRow, count_jsonl, read_jsonl
 from batchrun.io.parquet import count_parquet, read_parquet
 
 FORMATS = ("jsonl", "parquet")
@@ -43,21 +44,22 @@ def is_parquet(path: Path) -> bool:
     return input_format(path) == "parquet"
 
 
-def count_rows(path: Path) -> int:
-    """Rows in the input; raises InputError if it is damaged (truncated, not the format)."""
-    return count_parquet(path) if is_parquet(path) else count_jsonl(path)
+def count_rows(path: Path, max_line: int = MAX_LINE_BYTES) -> int:
+    """Rows in the input; raises InputError if it is damaged (truncated, not the format).
+    `max_line`: bytes past which a JSONL line is a row in error, whatever it holds."""
+    return count_parquet(path) if is_parquet(path) else count_jsonl(path, max_line)
 
 
-def read_rows(path: Path, start: int = 0) -> Iterator[RawRow]:
+def read_rows(path: Path, start: int = 0, max_line: int = MAX_LINE_BYTES) -> Iterator[RawRow]:
     """Rows from index `start` on; raises InputError if the file turns out damaged."""
-    return read_parquet(path, start) if is_parquet(path) else read_jsonl(path, start)
+    return read_parquet(path, start) if is_parquet(path) else read_jsonl(path, start, max_line)
 
 
 def spool(stream: BinaryIO, path: Path) -> str:
-    """Copy `stream` to `path` (created or emptied, then fsynced) and return the SHA-256 of
-    what was copied."""
+    """Copy `stream` to `path` (created anew, never through a link, then fsynced) and return
+    the SHA-256 of what was copied."""
     digest = hashlib.sha256()
-    with open(path, "wb") as f:
+    with replace_new(path) as f:
         while chunk := stream.read(SPOOL_CHUNK):
             digest.update(chunk)
             f.write(chunk)

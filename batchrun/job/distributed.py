@@ -130,10 +130,12 @@ class SliceWorker(RowWork):
         from batchrun.engine.load import load_engine
 
         self.engine = load_engine(model, config, vision)
+        row_options = dataclasses.replace(
+            row_options, limits=row_options.limits.for_context(self.engine.context_length))
         if self.engine.backend.accepts_images:
-            from batchrun.io.media import ImageCache
+            from batchrun.job.limits import image_cache
 
-            row_options = dataclasses.replace(row_options, images=ImageCache())
+            row_options = dataclasses.replace(row_options, images=image_cache(row_options.limits))
         self.row_options = dataclasses.replace(row_options,
                                                check_constraint=self.engine.check_constraint)
         self.model_name = model_name
@@ -293,15 +295,18 @@ class RayJobRunner(JobRunner):
     def _run(self, progress):
         import ray
 
-        # SIGTERM stops the job like Ctrl-C (the runner handles SIGINT): every path out of
-        # here, a second signal's KeyboardInterrupt included, stops the cluster we started.
+        # SIGTERM and SIGHUP stop the job like Ctrl-C (the runner handles SIGINT): every path
+        # out of here, a second signal's KeyboardInterrupt included, stops the cluster we
+        # started.
         main_thread = threading.current_thread() is threading.main_thread()
+        stops = (signal.SIGTERM, signal.SIGHUP)
         if main_thread:
-            previous_sigterm = signal.signal(signal.SIGTERM, self._on_signal)
+            previous = {s: signal.signal(s, self._on_signal) for s in stops}
         try:
             self._start_ray()
             if main_thread:  # ray.init put its own (crash-report-and-die) handler in
-                signal.signal(signal.SIGTERM, self._on_signal)
+                for s in stops:
+                    signal.signal(s, self._on_signal)
             return super()._run(progress)
         finally:
             try:
@@ -311,7 +316,8 @@ class RayJobRunner(JobRunner):
                     ray.shutdown()
             finally:
                 if main_thread:
-                    signal.signal(signal.SIGTERM, previous_sigterm)
+                    for s, handler in previous.items():
+                        signal.signal(s, handler)
 
     def _start_ray(self) -> None:
         """Join the cluster: one already joined in this process, ADDRESS, or a local one. A

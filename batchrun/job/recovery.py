@@ -12,6 +12,7 @@ with no valid record is computed again, so no row is ever skipped, and none is w
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -19,9 +20,10 @@ from pathlib import Path
 
 import orjson
 
+from batchrun.io.files import open_append
 from batchrun.io.jsonl import RawRow
 from batchrun.job.sink import Record
-from batchrun.job.state import DamagedFile, JobState, Progress
+from batchrun.job.state import DIGESTS, DamagedFile, JobState, Progress
 
 
 @dataclass(slots=True)
@@ -51,7 +53,7 @@ def recover(state: JobState, rows: Iterator[RawRow], expected_id: Callable[[RawR
     for key, path in paths.items():
         size = _size(path)
         want = committed.get(key, size)
-        if size < want:
+        if size < want and key != "spill_bytes":  # a spill shrinks when rewritten (sink.py)
             problems.append(f"{path.name} is shorter ({size:,} bytes) than committed "
                             f"({want:,} bytes)")
         limits[key] = min(size, want)
@@ -89,6 +91,10 @@ def recover(state: JobState, rows: Iterator[RawRow], expected_id: Callable[[RawR
         problems.append(f"{len(spill):,} spilled records do not belong to a pending row")
     progress.results_bytes = results.used
     progress.errors_bytes = errors.used
+    progress.results_sha256 = results.digest.hexdigest()
+    progress.errors_sha256 = errors.digest.hexdigest()
+    if saved is not None:
+        problems.extend(_edited(saved, progress, state))
     _cut(state.results_path, results.used)
     _cut(state.errors_path, errors.used)
     progress.spill_bytes = _rewrite_spill(state.spill_path, [kept[i] for i in spill_order
@@ -106,6 +112,7 @@ class _Lines:
         self._f = open(path, "rb") if limit else None  # noqa: SIM115
         self._left = limit
         self.used = 0  # bytes of the lines taken
+        self.digest = hashlib.sha256()  # of the lines taken
         self._peeked: bytes | None = None
 
     def peek(self) -> bytes | None:
@@ -119,6 +126,7 @@ class _Lines:
 
     def take(self) -> None:
         self.used += len(self._peeked)
+        self.digest.update(self._peeked)
         self._peeked = None
 
     @property
@@ -226,8 +234,8 @@ def _size(path: Path) -> int:
 
 def _cut(path: Path, size: int) -> None:
     """Truncate `path` to `size` bytes (creating it empty if absent), durably."""
-    with open(path, "ab") as f:
-        if f.tell() != size:
+    with open_append(path) as f:
+        if f.seek(0, os.SEEK_END) != size:
             f.truncate(size)
             f.flush()
             os.fsync(f.fileno())
@@ -235,8 +243,23 @@ def _cut(path: Path, size: int) -> None:
 
 def _counted(progress: Progress) -> dict:
     """What state.json must agree with the files on (the spill is compacted on resume: rows
-    it held that reached the ordered files are dropped from it)."""
-    return {k: v for k, v in dataclasses.asdict(progress).items() if k != "spill_bytes"}
+    it held that reached the ordered files are dropped from it; digests: `_edited`)."""
+    return {k: v for k, v in dataclasses.asdict(progress).items()
+            if k != "spill_bytes" and k not in DIGESTS}
+
+
+def _edited(saved: Progress, found: Progress, state: JobState) -> list[str]:
+    """The ordered files whose committed bytes were changed in place (records that still read
+    as records: kept, but said). Only where state.json has a digest and the sizes agree."""
+    out = []
+    for path, size, digest in ((state.results_path, "results_bytes", "results_sha256"),
+                               (state.errors_path, "errors_bytes", "errors_sha256")):
+        want = getattr(saved, digest)
+        if want and getattr(saved, size) == getattr(found, size) \
+                and want != getattr(found, digest):
+            out.append(f"{path.name} was changed after it was written (its records still read "
+                       "as this job's)")
+    return out
 
 
 def _difference(saved: Progress, found: Progress) -> str:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+import string
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,6 +30,7 @@ from typing import Any
 from batchrun.engine.constrain import Constraint, ConstraintError, response_format_constraint
 from batchrun.engine.prompt import PromptBuilder, PromptError
 from batchrun.engine.request import SamplingParams
+from batchrun.job.limits import RowLimits
 
 OPENAI_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
@@ -72,6 +75,7 @@ class RowOptions:
     # --expected-column: the column holding each row's right answer; its value goes into the
     # row's record as `expected`, and the report counts the labels that agree with it.
     expected_column: str | None = None
+    limits: RowLimits = field(default_factory=RowLimits)  # resolved for the model's context
 
 
 @dataclass(slots=True)
@@ -175,10 +179,13 @@ def build_task(raw_value: Any, index: int, line: int, prompts: PromptBuilder,
         return RowError(index, line, custom_id, e.code, str(e), openai)
     except PromptError as e:
         return RowError(index, line, custom_id, "invalid_prompt", str(e), openai)
+    except RecursionError:
+        return RowError(index, line, custom_id, "invalid_row",
+                        "the row nests too deeply to be read", openai)
     except (TypeError, ValueError, AttributeError, KeyError) as e:
         # A shape no check above foresaw: still this row's error, never the job's.
         return RowError(index, line, custom_id, "invalid_row",
-                        f"the row could not be read ({type(e).__name__}: {e})", openai)
+                        f"the row could not be read ({type(e).__name__}: {_short(e)})", openai)
 
 
 def _build(value: Any, index: int, line: int, custom_id: str, prompts: PromptBuilder,
@@ -274,6 +281,7 @@ def row_constraint(body: dict, options: RowOptions) -> Constraint | None:
         elif name == "guided_regex":
             constraint = Constraint.regex(body[name])
         elif name == "guided_choice":
+            check_choices(body[name], options.limits, name)
             constraint = Constraint.choices(body[name])
         else:
             constraint = options.defaults.constraint
@@ -295,6 +303,7 @@ def _prompt_ids(body: dict, openai: str | None, prompts: PromptBuilder, options:
             raise RowRejected("invalid_prompt", "prompt must be a string")
         if not prompt:
             raise RowRejected("invalid_prompt", "prompt is empty")
+        _check_prompt_size(len(prompt), "prompt", options.limits)
         if column_image is not None:
             return _with_images([{"role": "user", "content": prompt}], [], body, prompts,
                                 options, column_image, openai)
@@ -302,10 +311,12 @@ def _prompt_ids(body: dict, openai: str | None, prompts: PromptBuilder, options:
     if "messages" in body:
         messages = body["messages"]
     elif options.prompt_template is not None and openai is None:
-        messages = [{"role": "user", "content": _fill(options.prompt_template, body)}]
+        messages = [{"role": "user", "content": _fill(options.prompt_template, body,
+                                                      options.limits.prompt_chars)}]
     else:
         raise RowRejected("missing_prompt", "the row has no 'prompt' or 'messages' field "
                                             "(or pass --prompt-template to build one from columns)")
+    _check_prompt_size(_text_chars(messages), _messages_field(openai), options.limits)
     if options.system and isinstance(messages, list) and not _has_system(messages):
         messages = [{"role": "system", "content": options.system}, *messages]
     kwargs = body.get("chat_template_kwargs")
@@ -407,14 +418,81 @@ def _prepend_image(messages: list) -> list:
     return [{"role": "user", "content": [{"type": "image"}]}, *out]
 
 
-def _fill(template: str, row: dict) -> str:
+def check_choices(choices: Any, limits: RowLimits, field: str) -> None:
+    """RowRejected if a list of choices is over the limits (each alternative compiles into the
+    grammar: ten thousand take GBs)."""
+    if not isinstance(choices, list | tuple):
+        return  # Constraint.choices says what is wrong
+    if len(choices) > limits.choices:
+        raise RowRejected("too_many_choices", f"{field} has {len(choices):,} choices, over the "
+                          f"limit of {limits.choices:,} (--limit choices=N raises it)")
+    longest = max((len(c) for c in choices if isinstance(c, str)), default=0)
+    if longest > limits.choice_chars:
+        raise RowRejected("choice_too_long", f"{field} has a choice of {longest:,} characters, "
+                          f"over the limit of {limits.choice_chars:,} (--limit choice-chars=N "
+                          "raises it)")
+
+
+def _check_prompt_size(chars: int, field: str, limits: RowLimits) -> None:
+    """RowRejected before tokenizing a prompt longer than the model could take (tokenizing
+    takes many times the text's size in memory)."""
+    if limits.prompt_chars is not None and chars > limits.prompt_chars:
+        raise RowRejected("prompt_too_long", f"{field} holds {chars:,} characters, over the "
+                          f"limit of {limits.prompt_chars:,} (more than the model's context "
+                          "could take; --limit prompt-chars=N sets it)")
+
+
+def _text_chars(messages: Any) -> int:
+    """Characters of text in chat messages (their string content and text parts)."""
+    if not isinstance(messages, list):
+        return 0
+    total = 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p["text"]) for p in content
+                         if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return total
+
+
+class _BoundedFormatter(string.Formatter):
+    """str.format_map that refuses to render more than `limit` characters: a width or
+    precision taken from a row's column (`{text:>{w}}`) is checked before it is rendered."""
+
+    def __init__(self, limit: int | None):
+        self.limit = limit
+        self.total = 0
+
+    def format_field(self, value: Any, format_spec: str) -> str:
+        if self.limit is not None and any(len(n) > 9 or int(n) > self.limit
+                                          for n in re.findall(r"\d+", format_spec)):
+            raise RowRejected("prompt_too_long", "--prompt-template renders a field wider "
+                              f"than the limit of {self.limit:,} characters")
+        text = super().format_field(value, format_spec)
+        self.total += len(text)
+        if self.limit is not None and self.total > self.limit:
+            raise RowRejected("prompt_too_long", "--prompt-template renders more than the "
+                              f"limit of {self.limit:,} characters (--limit prompt-chars=N "
+                              "sets it)")
+        return text
+
+
+def _fill(template: str, row: dict, limit: int | None = None) -> str:
     try:
-        return template.format_map(row)
+        return _BoundedFormatter(limit).vformat(template, (), row)
     except KeyError as e:
         raise RowRejected("missing_column", f"--prompt-template needs column {e.args[0]!r}, "
                                             "which this row lacks") from None
-    except (ValueError, IndexError) as e:
-        raise RowRejected("invalid_template", f"--prompt-template: {e}") from None
+    except (ValueError, IndexError, OverflowError) as e:
+        raise RowRejected("invalid_template", f"--prompt-template: {_short(e)}") from None
+
+
+def _short(e: Exception, limit: int = 200) -> str:
+    """An exception's message cut short: it may quote the row's value."""
+    text = str(e)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _has_system(messages: list) -> bool:

@@ -57,7 +57,8 @@ COMMIT_INTERVAL_S = 1.0
 COMMIT_SHARE = 0.25
 FILL_LINGER_S = 0.05  # an idle engine takes more rows while each comes within this of the last
 PROGRESS_INTERVAL_S = 0.5
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Ctrl-C, a stop request, and the terminal closing (SIGHUP): each stops the job resumably.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 DONE_CACHE_SIZE = 4096  # recent outputs kept for identical rows further down the input
 # Threads that build rows, text and image rows alike. Tokenization keeps the GIL
 # (engine/tokens.py's Encoder), so more threads only contend for it with the job loop and the
@@ -80,7 +81,7 @@ class JobConflict(JobError):
 
 
 class Interrupted(Exception):
-    """Ctrl-C or SIGTERM: progress was committed; the job can be resumed."""
+    """Ctrl-C, SIGTERM or SIGHUP: progress was committed; the job can be resumed."""
 
     def __init__(self, signum: int = signal.SIGINT):
         super().__init__(signal.Signals(signum).name)
@@ -111,7 +112,7 @@ class JobSpec:
         """How many rows the input holds (counted once); JobError if it is damaged or empty."""
         if self._rows_total is None:
             try:
-                self._rows_total = count_rows(self.input)
+                self._rows_total = count_rows(self.input, self.rows.limits.row_bytes)
             except InputError as e:
                 raise JobError(str(e)) from None
             if self._rows_total == 0:
@@ -350,7 +351,7 @@ class JobRunner(RowWork):
         self.manifest: dict = {}
         self.report: dict = {}
         self._init_work()
-        self._interrupted = 0  # the signal (SIGINT, SIGTERM) that asked the job to stop
+        self._interrupted = 0  # the signal (STOP_SIGNALS) that asked the job to stop
         self._seen_ids: dict[bytes, int] = {}  # hash of an explicit row id -> its first line
         self._spilled: dict[int, Record] = {}  # rows finished past the frontier, from the spill
         self._parquet: ParquetOutput | None = None  # -o *.parquet, written as rows commit
@@ -395,7 +396,8 @@ class JobRunner(RowWork):
         mf.save_manifest(spec.job_dir, new)
         # What one atomic write costs on this disk: a commit makes about three.
         self._write_cost = time.perf_counter() - start
-        recovery = recover(self.state, read_rows(spec.input, 0), self._expected_id,
+        recovery = recover(self.state, read_rows(spec.input, 0, spec.rows.limits.row_bytes),
+                           self._expected_id,
                            self._remember_id)
         if recovery.problems:
             log.warning("%s: %s; resuming from what the files hold", spec.job_dir,
@@ -550,7 +552,7 @@ class JobRunner(RowWork):
 
     def pending_rows(self, start: int) -> Iterator[RawRow]:
         """The input rows from `start` on that have no record yet (spilled rows are done)."""
-        for raw in read_rows(self.spec.input, start):
+        for raw in read_rows(self.spec.input, start, self.spec.rows.limits.row_bytes):
             if raw.index not in self._spilled:
                 yield raw
 

@@ -8,8 +8,9 @@ files below the frontier, from the spill above it. A resumed job reads the spill
 (`recovered`) instead of computing those rows again.
 
 The spill only ever holds rows that are also about to be, or already are, in the ordered files;
-once no row is held it can be emptied (`spill_drained`), so it stays as small as the rows a
-slow row holds back.
+once no row is held it can be emptied (`spill_drained`). A long job at full concurrency may
+always hold some row back, so after a commit a spill grown well past the rows it still holds is
+rewritten with just those (`settle`): it stays as small as the rows held back.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from pathlib import Path
 
 import orjson
 
-from batchrun.job.state import JobState, Progress
+from batchrun.io.files import open_append, write_atomic
+from batchrun.job.state import JobState, Progress, file_digest
 
 
 @dataclass(slots=True)
@@ -59,6 +61,12 @@ def tokens_of(outs) -> tuple[int, int, int]:
     return (outs[0].prompt_tokens, outs[0].cached_tokens, sum(o.completion_tokens for o in outs))
 
 
+# A spill is rewritten once it is this many times the size of the rows it holds back, and
+# over SPILL_SLACK bytes (a rewrite costs a write of the held rows and an fsync).
+SPILL_GROWTH = 4
+SPILL_SLACK = 1 << 20
+
+
 class OrderedSink:
     """Spills each finished row at once and writes records in input order; keeps the Progress
     that describes exactly what it has written (counts include spilled rows)."""
@@ -66,11 +74,17 @@ class OrderedSink:
     def __init__(self, results: Path, errors: Path, spill: Path, progress: Progress,
                  recovered: dict[int, Record] | None = None):
         self.progress = dataclasses.replace(progress)
+        self._spill_path = Path(spill)
         # Held open for the sink's life; close() closes them.
-        self._results = open(results, "ab")  # noqa: SIM115
-        self._errors = open(errors, "ab")  # noqa: SIM115
-        self._spill = open(spill, "ab")  # noqa: SIM115
+        self._results = open_append(results)
+        self._errors = open_append(errors)
+        self._spill = open_append(spill)
+        # Running digests of what the ordered files hold (state.json records them).
+        self._results_digest = file_digest(results, progress.results_bytes)
+        self._errors_digest = file_digest(errors, progress.errors_bytes)
         self._held: dict[int, Record] = dict(recovered or {})
+        # The spill lines of held rows (a row next in order is never spilled), by row.
+        self._spilled = {i: len(r.spill_line()) for i, r in self._held.items()}
         self._synced: tuple[int, int, int] | None = None  # the files' sizes at the last sync
         self._drain()
 
@@ -84,6 +98,7 @@ class OrderedSink:
             spilled = record.spill_line()
             self._spill.write(spilled)
             p.spill_bytes += len(spilled)
+            self._spilled[record.index] = len(spilled)
         if is_error:
             p.rows_failed += 1
         else:
@@ -98,11 +113,14 @@ class OrderedSink:
         p = self.progress
         while p.next_index in self._held:
             record = self._held.pop(p.next_index)
+            self._spilled.pop(record.index, None)
             if record.is_error:
                 self._errors.write(record.line)
+                self._errors_digest.update(record.line)
                 p.errors_bytes += len(record.line)
             else:
                 self._results.write(record.line)
+                self._results_digest.update(record.line)
                 p.results_bytes += len(record.line)
             p.next_index += 1
 
@@ -128,7 +146,10 @@ class OrderedSink:
         being written)."""
         for f in (self._results, self._errors, self._spill):
             f.flush()
-        return PendingCommit(dataclasses.replace(self.progress), self.spill_drained)
+        snapshot = dataclasses.replace(self.progress,
+                                       results_sha256=self._results_digest.hexdigest(),
+                                       errors_sha256=self._errors_digest.hexdigest())
+        return PendingCommit(snapshot, self.spill_drained)
 
     def fsync(self, pending: PendingCommit) -> None:
         """fsync the files that grew since the last sync (an fsync can take a quarter of a
@@ -142,9 +163,23 @@ class OrderedSink:
 
     def settle(self, pending: PendingCommit) -> None:
         """After `pending` is recorded in state.json: empty the spill if that commit recorded it
-        as empty and nothing was spilled since."""
+        as empty and nothing was spilled since; else rewrite it with only the rows it still
+        holds back if it has grown well past them. A crash before the next commit records the
+        smaller spill finds it shorter than committed, and reads the records it holds."""
         if pending.spill_emptied and self.progress.spill_bytes == pending.spilled_bytes:
             self.empty_spill()
+        elif self.progress.spill_bytes > max(SPILL_SLACK,
+                                             SPILL_GROWTH * sum(self._spilled.values())):
+            self._rewrite_spill()
+
+    def _rewrite_spill(self) -> None:
+        data = b"".join(self._held[i].spill_line() for i in sorted(self._held))
+        self._spill.close()
+        write_atomic(self._spill_path, data)
+        self._spill = open_append(self._spill_path)
+        self.progress.spill_bytes = len(data)
+        if self._synced is not None:  # written durably: the next commit records its size
+            self._synced = (*self._synced[:2], len(data))
 
     def empty_spill(self) -> None:
         """Cut the spill to nothing (after a commit that recorded it as empty)."""

@@ -11,6 +11,7 @@ are recomputed: every row appears exactly once, whenever the process was killed.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import stat
 from dataclasses import asdict, dataclass
@@ -64,6 +65,14 @@ class Progress:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    # SHA-256 of the results and errors files' committed bytes: a finished job is trusted as
+    # finished only while its files still hash to these (a record damaged in place keeps the
+    # file's size).
+    results_sha256: str = ""
+    errors_sha256: str = ""
+
+
+DIGESTS = ("results_sha256", "errors_sha256")
 
 
 class JobLock:
@@ -128,8 +137,11 @@ class JobState:
             progress = Progress(**saved)
         except TypeError:
             raise DamagedFile(f"{self.state_path} is damaged (unknown fields)") from None
-        if not all(type(v) is int and v >= 0 for v in asdict(progress).values()):
+        counts = {k: v for k, v in asdict(progress).items() if k not in DIGESTS}
+        if not all(type(v) is int and v >= 0 for v in counts.values()):
             raise DamagedFile(f"{self.state_path} is damaged (a count is not a whole number)")
+        if not all(isinstance(getattr(progress, k), str) for k in DIGESTS):
+            raise DamagedFile(f"{self.state_path} is damaged (a digest is not text)")
         return progress
 
     def reset(self) -> None:
@@ -141,3 +153,15 @@ class JobState:
         """Record progress whose data is already flushed and fsynced."""
         write_atomic(self.state_path, orjson.dumps(asdict(progress)))
         self.progress = progress
+
+
+def file_digest(path: Path, size: int) -> hashlib._Hash:
+    """A running SHA-256 of the first `size` bytes of `path` (absent: of nothing)."""
+    digest = hashlib.sha256()
+    if size:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            while size > 0 and (chunk := f.read(min(size, 1 << 20))):
+                digest.update(chunk)
+                size -= len(chunk)
+    return digest
