@@ -737,10 +737,7 @@ def _plan(input_path: Path, o: RunOptions):
     except ValueError as e:
         raise UsageError(str(e)) from None
     job_dir = Path(o.job_dir) if o.job_dir else default_job_dir(input_path)
-    if os.path.lexists(job_dir) and not job_dir.is_dir():
-        kind = "a symbolic link" if job_dir.is_symlink() else "a file"
-        raise UsageError(f"--job-dir {job_dir} is {kind}, not a folder: pass a folder's path "
-                         "(it is made if absent)")
+    _check_job_dir_path(job_dir)
     output = Path(o.output) if o.output else job_dir / "results.jsonl"
     if output.suffix.lower() in OTHER_FORMATS:
         raise UsageError(f"-o {output}: batchrun writes JSONL (.jsonl) or Parquet (.parquet), "
@@ -760,6 +757,19 @@ def _plan(input_path: Path, o: RunOptions):
         rows.base_dir = Path.cwd()
     spec = JobSpec(input_path, job_dir, output, o.model, rows, restart=o.restart, quiet=o.quiet)
     return spec, config, constraint, sources
+
+
+def _check_job_dir_path(job_dir: Path) -> None:
+    """--job-dir must name a folder, or a path where one can be made."""
+    for path in (job_dir, *job_dir.parents):
+        if os.path.lexists(path):
+            if path.is_dir():
+                return
+            kind = "a symbolic link" if path.is_symlink() else "a file"
+            what = f"is {kind}, not a folder" if path == job_dir else \
+                f"cannot be a folder: {path} is {kind}"
+            raise UsageError(f"--job-dir {job_dir} {what}: pass a folder's path (it is made if "
+                             "absent)")
 
 
 def _check_image_column(o: RunOptions) -> None:

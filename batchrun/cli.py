@@ -507,12 +507,28 @@ def _say_where(spec, failed: int) -> None:
         click.echo(f"errors:     {spec.errors_path}", err=True)
 
 
+MIN_ADDRESS_SPACE = 2 << 30  # below it MLX or OpenBLAS fail to start (ulimit -v 1000000)
+
+
+def _check_address_space() -> None:
+    """A process memory limit too low for MLX to start is one line before the model loads
+    (a native library would otherwise end the process mid-load with its own message)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY and soft < MIN_ADDRESS_SPACE:
+        raise _fail(f"this process may use only {soft >> 20:,} MiB of address space "
+                    f"(ulimit -v): MLX needs at least {MIN_ADDRESS_SPACE >> 20:,} MiB to start, "
+                    "and a model more; raise the limit and run the command again")
+
+
 def _prepare(job, debug: bool, dry_run: bool = False) -> None:
     """Load the job's model (or start its Ray runner) and say what runs where, and with which
     sampling defaults; bad options and models are one line."""
     from batchrun.api import MissingExtra, UsageError
     from batchrun.models import DraftModelError, ModelError
 
+    _check_address_space()
     try:
         job.prepare(dry_run=dry_run)
     except UsageError as e:
@@ -996,8 +1012,8 @@ def _unforeseen(e: Exception) -> str:
         return ("this process may not start another thread (its memory or process limit, "
                 "ulimit -v / -u, is too low): raise the limit and run the command again")
     if isinstance(e, ValueError) and "maximum limit" in text:
-        return ("too few open files are allowed (ulimit -n): allow at least 1024 and run the "
-                "command again")
+        return ("too few open files are allowed (ulimit -n): mlx-lm raises the limit to 2048 "
+                "as it loads, so the hard limit (ulimit -Hn) must be at least 4096")
     if isinstance(e, OSError) and e.strerror:
         where = f": {e.filename}" if e.filename else ""
         return f"{e.strerror}{where}"

@@ -61,6 +61,8 @@ def open_append(path: Path) -> BinaryIO:
     except OSError as e:
         if os.path.islink(path):
             raise NotRegularFile(e.errno, f"{path} is a symbolic link") from None
+        if os.path.exists(path) and not os.path.isfile(path):  # a FIFO with no reader
+            raise NotRegularFile(e.errno, f"{path} is not a regular file") from None
         raise
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
