@@ -28,7 +28,7 @@ from batchrun.models import load_model  # noqa: E402
 VARIANTS = {
     "default": {},
     "notails": {(text, "SHARED_TAILS"): False},
-    "host4m": {(shared_prefix, "HOST_MIN_SCORES"): 1 << 22},  # session 6's NumPy threshold
+    "host4m": {(shared_prefix, "HOST_MIN_SCORES"): 1 << 22},  # the earlier NumPy threshold
     "notails_host4m": {(text, "SHARED_TAILS"): False, (shared_prefix, "HOST_MIN_SCORES"): 1 << 22},
     "mlx_attention": {(host_attention, "ENABLED"): False},  # prefills' attention in MLX
 }

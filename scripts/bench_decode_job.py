@@ -10,7 +10,8 @@ new tokens, greedy).
   report's job wall (the job loop: reading, tokenizing, feeding, writing, committing);
 - masked: the same with BATCHRUN_DECODE_KERNEL=0 (decode attention through mlx-lm's mask);
 - nocudnn: the same with MLX_CUDA_USE_CUDNN_SDPA=0 (MLX's prefill attention without cuDNN);
-- session8: the same with session 8's GPU defaults (a 32,768-token prefill budget, no warm-up);
+- fixed_budget: the same with the earlier GPU defaults (a fixed 32,768-token prefill budget, no
+  warm-up);
 - noshared: the same with --no-shared-prefix (each row its own copy of any cached prefix);
 - batch_generate: mlx-lm's batch_generate on the same prompts' tokens at each concurrency;
   tok/s over its own call (after imports, loading and tokenizing).
@@ -57,15 +58,15 @@ ENV = {"batchrun": {},
        "masked": {"BATCHRUN_DECODE_KERNEL": "0"},
        # MLX's prefill attention without cuDNN (which builds a graph for every new shape)
        "nocudnn": {"MLX_CUDA_USE_CUDNN_SDPA": "0"},
-       "session8": {},
+       "fixed_budget": {},
        "noshared": {}}
 # Systems that run batchrun with flags of their own (rows without a shared prefix: the shared
 # attention's machinery switched off, for issue 13's "no regression elsewhere").
 FLAGS = {"noshared": ["--no-shared-prefix"]}
 # Systems that run batchrun with some of its settings as they were (Python run first).
 PATCHES = {
-    # session 8's defaults: a fixed 32,768-token prefill budget on a GPU, no warm-up
-    "session8": "from batchrun.engine import engine, memory\n"
+    # the earlier GPU defaults: a fixed 32,768-token prefill budget, no warm-up
+    "fixed_budget": "from batchrun.engine import engine, memory\n"
                 "memory.GPU_PREFILL_TOKENS = (32768, 32768)\n"
                 "engine.Engine.warm_up = lambda self, cpu_too=False: None",
 }

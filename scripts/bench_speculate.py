@@ -15,8 +15,8 @@ the first request to the last output; the model and draft loaded once, a warm-up
 - essays: 8 rows asking for an essay about a topic (the ~330-token answers of the lessons'
   `long_answers`: for a pair trained with them), min_tokens and max_tokens 256; the same
   systems, and the draft with 6 and 8 guesses uncompiled (draft6u, draft8u: its forward as
-  mlx-lm runs it, not `speculate.CompiledForward`) (on the H200 a session-17 pair ended some
-  essays after their first part, where the CPU's arithmetic went on);
+  mlx-lm runs it, not `speculate.CompiledForward`) (on the H200 an earlier long-answer pair ended
+  some essays after their first part, where the CPU's arithmetic went on);
 - few_sampled: the same rows sampled (temperature 0.7, seeded);
 - extract: 8 rows whose answer copies spans of the prompt (a reference text holding a topic's
   facts, then a question the lessons' `long_answers` answer in the reference's sentences; the

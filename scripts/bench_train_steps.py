@@ -7,7 +7,7 @@
 composed exp gains on its own).
 
 It calls only `train.train(model, data, steps, seed)`, so a checkout of an earlier trainer
-runs it the same way (the before/after figures of BENCHMARKS.md, session 23).
+runs it the same way (the before/after figures of BENCHMARKS.md, "Demo models").
 """
 
 import argparse
