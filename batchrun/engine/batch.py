@@ -4,7 +4,7 @@ mlx-lm (pinned 0.32.2) keeps every row's log-probabilities as an array of its ow
 the (rows, vocab) matrix into one array per row and evaluates them all, samples row by row as soon
 as two rows have different samplers, and cuts a copy of the KV cache out for every row that
 finishes. Measured on the H200 with 1,024 rows of a 1B model, that host work took ~32 ms of a
-~58 ms step while the model's own step took ~21 ms (BENCHMARKS.md, issue 6).
+~58 ms step while the model's own step took ~21 ms (benchmarks/history/BENCHMARKS-2026-12.md).
 
 `LeanGenerationBatch` keeps the matrix whole and hands a row's log-probabilities only to the
 requests that asked for them (`logprob_uids`), samples each group of rows sharing a sampler in

@@ -3,9 +3,9 @@
 In a continuous batch each row's keys start at its own offset (left padding, or a row that
 joined late) and end at the batch's current length. mlx-lm passes that as an array mask, and
 MLX 0.32's fused decode attention on CUDA takes no array mask: every step fell back to unfused
-attention, ~6x slower a layer at 256 positions (BENCHMARKS.md, issue 6). Here a row's range is
-its start (`BatchKVCache.left_padding`) and the keys' length, and on CUDA one kernel runs
-split-K flash decoding over it (compiled by NVRTC, nvrtc.py, and launched through
+attention, ~6x slower a layer at 256 positions (BENCHMARKS.md, Decode throughput). Here a row's
+range is its start (`BatchKVCache.left_padding`) and the keys' length, and on CUDA one kernel
+runs split-K flash decoding over it (compiled by NVRTC, nvrtc.py, and launched through
 `mx.fast.precompiled_cuda_kernel`):
 
 - a thread block takes one (row, KV head, split of the keys): the G query heads of that KV
@@ -42,7 +42,7 @@ ENABLED = os.environ.get("BATCHRUN_DECODE_KERNEL", "1") != "0"
 EVERYWHERE = False
 HEAD_DIMS = (64, 128)
 # Warps a thread block: 2 measured fastest with GROUPED at every shape checked (1,024 rows x
-# 256 keys: 0.36 ms against 0.39 with 4 and 0.59 with 8; BENCHMARKS.md, session 9).
+# 256 keys: 0.36 ms against 0.39 with 4 and 0.59 with 8; benchmarks/history/, 2026-12-03).
 WARPS = 2
 # How a warp's lanes share the work (a define of the kernel's source):
 # - GROUPED: D / VEC lanes hold one key (VEC elements of 16 bytes each, the queries' matching

@@ -3,7 +3,7 @@
 On a CUDA GPU a process's first forward pass costs 0.4-0.5 s more than its second (kernels
 loaded into the process, cuBLAS set up), whatever the weights: measured on the H200 with a 1B
 Llama, the real model's first warm-up took 0.03 s instead of 0.40-0.48 after a stand-in's
-(`scripts/probe_warmup_overlap.py`, BENCHMARKS.md). So while mlx-lm loads the weights, a thread
+(`benchmarks/history/scripts/probe_warmup_overlap.py`). So while mlx-lm loads the weights, a thread
 builds a one-layer stand-in of the model's configuration (random weights in the model's dtype,
 quantized as it is, a small vocabulary) and runs on it, on a stream of its own, what the
 engine's warm-up runs: a padded two-row prefill and three decode steps.

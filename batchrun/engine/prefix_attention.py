@@ -419,7 +419,7 @@ def _verify_cascade(dtype: mx.Dtype, D: int) -> None:
     k = mx.random.normal((1, 2, 150, D), key=parts[0]).astype(dtype)
     v = mx.random.normal((1, 2, 150, D), key=parts[1]).astype(dtype)
     # Two query heads a KV head, laid out as a model's queries are (no copy for the kernel: a
-    # copy's first use cost ~0.1 s on the H200, scripts/first_use_profile.py --watch).
+    # copy's first use cost ~0.1 s on the H200: benchmarks/history/scripts/first_use_profile.py).
     queries = mx.random.normal((3, 37, 4, D), key=parts[2]).astype(dtype).transpose(0, 2, 1, 3)
     own_k = mx.random.normal((3, 2, 64, D), key=parts[3]).astype(dtype)
     own_v = mx.random.normal((3, 2, 64, D), key=parts[4]).astype(dtype)

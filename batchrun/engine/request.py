@@ -136,16 +136,8 @@ class Output:
         return len(self.token_ids)
 
 
-# Guesses a row a speculative step: 6 measured faster than 4 in every run on the demo pair
-# (this CPU, BENCHMARKS.md "A one-layer draft"); the cap on verified tokens still bounds a step.
-# Prompt lookup on a GPU guesses 12: its guesses cost nothing and a wider verification about
-# the same there, and extraction rows decoded 2.1-2.2x faster with 12 against 1.7x with 6 on an
-# H100 (every run of session 25); on the CPU 6 (12 a row fit the verification's cap only once
-# 4 rows are left: 1.1x against 1.3x). A draft model on a GPU guesses 8: with its forward
-# compiled, a guess costs a fraction of a plain step there, and the demo's essays decoded 1.84-1.99x
-# faster with 8 against 1.74-1.97x with 6 in four runs of session 26 on three H100 hosts (8 was at
-# 1.8x or more in every run, 6 in two of four; on an H200 both, 6 ahead: 2.29x against 2.09x);
-# on the CPU 6 (8 rows x 9 tokens pass the cap).
+# Guesses a row: 6 on a CPU, where a wider verification costs more than it gains; on a GPU, where
+# a guess is cheap, 12 for prompt lookup and 8 for a draft (BENCHMARKS.md, Speculative decoding).
 DEFAULT_DRAFT_TOKENS = 6
 DEFAULT_NGRAM_TOKENS_GPU = 12
 DEFAULT_DRAFT_MODEL_TOKENS_GPU = 8
@@ -217,8 +209,8 @@ class EngineConfig:
 # ~2k padded tokens (8 rows of the mixed workload, or 64 labeling rows past a cached prefix);
 # on the H200, 1B model, up to 1,024 rows decoding gave 2.3x the throughput of the CPU's
 # settings, and prefills of 256 rows of 128 tokens four times fewer than a job's whole first
-# 1,024 rows cost it ~1 s of its 6 (BENCHMARKS.md, issues 13 and 14). A GPU's prefill budget
-# comes from its memory and the model (memory.prefill_token_budget).
+# 1,024 rows cost it ~1 s of its 6 (benchmarks/history/BENCHMARKS-2026-12.md). A GPU's prefill
+# budget comes from its memory and the model (memory.prefill_token_budget).
 DEVICE_DEFAULTS = {"cpu": (256, 2048), "gpu": (1024, None)}
 
 

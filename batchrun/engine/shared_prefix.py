@@ -48,7 +48,7 @@ EVAL_CHUNK_ELEMENTS = 1 << 25
 # window, +3-4 GiB. LOW_PRECISION_SCORES: a half-precision model's prefix scores stay in its
 # dtype for the two matmuls (softmax statistics in float32, the weights cast back as flash
 # attention does): faster warm, but its cold run compiles per chunk shape and greedy tokens
-# change (scripts/profile_labeling.py variants; BENCHMARKS.md).
+# change (benchmarks/history/scripts/profile_labeling.py variants).
 ASYNC_CHUNKS = True
 ASYNC_WINDOW: int | None = 4
 LOW_PRECISION_SCORES = False
@@ -56,7 +56,7 @@ LOW_PRECISION_SCORES = False
 # below it the round trip costs more than MLX's slow exp. With OpenBLAS's threads not spinning
 # between calls (blas.py) that is small: 4M scores (the earlier bound) kept the decode steps
 # and most suffix prefills in MLX, and the labeling benchmark 1.4-2.2x slower
-# (scripts/ab_labeling_cpu.py, variant host4m; BENCHMARKS.md).
+# (scripts/ab_labeling_cpu.py, variant host4m; benchmarks/history/BENCHMARKS-2026-12.md).
 HOST_MIN_SCORES = 1 << 14
 # On Metal, the prefix part runs as MLX's fused attention (_attend_prefix_fused), which never
 # holds the score matrix. Not on CUDA: there MLX 0.32 materializes these shapes' scores whole

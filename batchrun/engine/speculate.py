@@ -94,12 +94,12 @@ def rollback(caches: list, drop: list[int], ordered: list[bool] | None = None) -
     RoPE offset falls by `e`): the row's kept KV ends where every row's does, as a batch cache
     needs. That moves at most `e` slots a row, where rolling the row's whole KV right (mlx-lm's
     right-padding `finalize`) moved them all: 14.2 ms for 6 layers of 8 rows at 256 slots on
-    this 2-core CPU (scripts/probe_speculation.py costs). The kept keys are no longer in token
-    order within the row, which attention does not see (each key carries its position's
-    rotation; the mask is each row's range): a speculating batch's KV is never stored as
-    prefix blocks. Rows `ordered` marks (a choices row's KV is read in token order to score
-    its choices, choices.py) keep their order: when one of them drops more than the least,
-    every row rolls as before."""
+    this 2-core CPU (benchmarks/history/scripts/probe_speculation.py costs). The kept keys are no
+    longer in token order within the row, which attention does not see (each key carries its
+    position's rotation; the mask is each row's range): a speculating batch's KV is never
+    stored as prefix blocks. Rows `ordered` marks (a choices row's KV is read in token order to
+    score its choices, choices.py) keep their order: when one of them drops more than the
+    least, every row rolls as before."""
     least = min(drop)
     extra = [d - least for d in drop]
     for c in caches:

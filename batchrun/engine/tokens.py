@@ -91,8 +91,8 @@ class Encoder:
     transformers encodes one text through the Rust tokenizer's batch call, which lets go of the
     GIL. On a build thread, while the engine's thread runs Python, each let-go waits out the
     interpreter's switch interval (5 ms) to get the GIL back: 512 rows' encodes took 2.7 s
-    instead of 26 ms on this project's CPU (scripts/probe_feeder_gil.py). The single-text call
-    keeps the GIL.
+    instead of 26 ms on this project's CPU (benchmarks/history/scripts/probe_feeder_gil.py). The
+    single-text call keeps the GIL.
 
     The direct call is taken only for transformers' plain fast tokenizer (a class that encodes its
     own way, such as mlx-lm's newline tokenizer, keeps transformers' path), on a private copy of

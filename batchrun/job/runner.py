@@ -62,8 +62,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 DONE_CACHE_SIZE = 4096  # recent outputs kept for identical rows further down the input
 # Threads that build rows, text and image rows alike. Tokenization keeps the GIL
 # (engine/tokens.py's Encoder), so more threads only contend for it with the job loop and the
-# warm-up: warm 512-row labeling jobs on two H200 hosts took 0.846-1.111 s (median 0.984) with
-# one and 0.891-1.171 s (1.009) with eight, nine interleaved pairs (BENCHMARKS.md).
+# warm-up: warm 512-row labeling jobs on the H200 took 0.846-1.111 s (median 0.984) with one
+# and 0.891-1.171 s (1.009) with eight (benchmarks/history/BENCHMARKS-2026-12.md).
 BUILD_WORKERS = 1
 HASH_PIECE = 2032  # bytes hashlib hashes holding the GIL (it lets go from 2,048 on)
 

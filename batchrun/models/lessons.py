@@ -186,8 +186,8 @@ REFERENCE_TASKS = [TASKS[0], TASKS[2], "Quote the reference about {t}."]  # Expl
 def essay(topic: str) -> str:
     """A long answer about a topic (~300 tokens of the demo tokenizer): the answers of every
     one of build.TASKS about it, one after another (what the model learns anew is their order,
-    not new text). No heading naming the topic: a try with one (session 17) got the topic wrong
-    in 20 of 26 essays, and every token after it."""
+    not new text). No heading naming the topic: a pair trained with one got the topic wrong in
+    20 of 26 essays, and every token after it."""
     return "\n\n".join(answer(task, topic) for task in ESSAY_SECTIONS)
 
 
@@ -237,19 +237,18 @@ def text_line(rng: random.Random) -> str:
 
 # The share of chats (with long_answers) whose prompt ends as `enable_thinking: false` renders
 # it: the chat template's empty thinking block before the answer (the sample prompts' rows with
-# a system message ask for it). Session 18's first pair with long answers had never seen the
-# block and answered 11 of those 16 rows with garbled text; the committed pair, taught with it,
-# generalizes over it.
+# a system message ask for it). A pair with long answers that had never seen the block answered
+# 11 of those 16 rows with garbled text; the committed pair, taught with it, generalizes over it.
 THINKING_OFF = 0.2
 
 
 def examples(seed: int, n: int, long_answers: bool = False
              ) -> list[tuple[list[dict] | str, list[dict] | None]]:
     """n examples, seeded: (chat messages or plain text, tools or None). Without
-    `long_answers` the first four kinds (the pairs before session 17); `long_answers` adds
-    essays and references (6% and 4%, taken from labeling and questions), which session 17's
-    pairs learned only at a cost to the others (BENCHMARKS.md), and marks a share of chats
-    (THINKING_OFF) to be rendered with `enable_thinking: false` (their answer's
+    `long_answers` the first four kinds (the earlier demo pairs' lessons); `long_answers` adds
+    essays and references (6% and 4%, taken from labeling and questions), which the first pairs
+    trained with them learned only at a cost to the others (benchmarks/history/), and marks a
+    share of chats (THINKING_OFF) to be rendered with `enable_thinking: false` (their answer's
     `"enable_thinking": False`)."""
     rng = random.Random(seed)
     labeling, essays, references, questions, weather = \

@@ -81,7 +81,7 @@ def batches(data: list, steps: int, seed: int):
     Examples are grouped by length (GROUPS: a long essay does not pad 15 short chats), each
     batch's group drawn in proportion to the examples it holds. The short lessons of every kind
     mix in one group, as every lesson did before the essays: the two tries with finer groups
-    (session 17, with other lessons too, so not the groups' doing alone; BENCHMARKS.md) labeled
+    (with other lessons too, so not the groups' doing alone; benchmarks/history/) labeled
     82-88% of held-out reviews. A batch's examples are packed into rows as wide as their group's
     bound (first fit, longest first; segment ids 1, 2, ... a row, 0 for padding), where padding
     each to the longest had doubled the tokens computed."""
