@@ -435,7 +435,7 @@ def _dry_run(engine, spec, probe_rows: int) -> DryRun:
 
     from batchrun.cache.prefix import block_keys
     from batchrun.io.readers import read_rows
-    from batchrun.job.rows import RowError, build_task
+    from batchrun.job.rows import RowError, build_task, read_error
 
     total = spec.rows_total
     # Probe rows spread over the input: the first row at or after each of these.
@@ -446,8 +446,7 @@ def _dry_run(engine, spec, probe_rows: int) -> DryRun:
     found = DryRun(0, 0, None, 0, 0, 0, 0, engine.max_concurrency)
     for raw in read_rows(spec.input, 0, spec.rows.limits.row_bytes):
         found.rows += 1
-        task = (RowError(raw.index, raw.line, "", "invalid_json", raw.error)
-                if raw.error is not None
+        task = (read_error(raw, spec.rows.id_column) if raw.error is not None
                 else build_task(raw.value, raw.index, raw.line, engine.prompts, spec.rows))
         if isinstance(task, RowError):
             found.row_errors += 1

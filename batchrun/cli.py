@@ -866,11 +866,13 @@ def bench(model: str | None, shape: str | None, workload: str, rows: int, max_to
     results = b.benchmark(lm, w, names, max_concurrency)
     click.echo(b.table(results))
     if json_out:
-        json_out.write_bytes(orjson.dumps({"machine": info, "model": shape or model or "demo",
-                                           "workload": w.name, "rows": rows,
-                                           "max_tokens": max_tokens,
-                                           "results": b.as_dict(results)},
-                                          option=orjson.OPT_INDENT_2))
+        from batchrun.io.files import write_atomic
+
+        write_atomic(json_out, orjson.dumps({"machine": info, "model": shape or model or "demo",
+                                             "workload": w.name, "rows": rows,
+                                             "max_tokens": max_tokens,
+                                             "results": b.as_dict(results)},
+                                            option=orjson.OPT_INDENT_2))
 
 
 @cli.group()

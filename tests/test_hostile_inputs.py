@@ -128,8 +128,18 @@ def test_a_deeply_nested_field_is_that_rows_error_on_every_run(tmp_path, field):
         assert "Traceback" not in result.output
     errors = jsonl(job / "errors.jsonl")
     assert [e["index"] for e in errors] == [1]
+    assert errors[0]["error"]["code"] == "too_deep"
     assert "levels deep" in errors[0]["error"]["message"]
     assert [r["index"] for r in jsonl(job / "results.jsonl")] == [0, 2]
+
+
+def test_a_too_deep_row_keeps_its_id_for_its_error_record(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"custom_id": "deep", "meta": ' + b"[" * 300 + b"]" * 300 + b'}\n')
+    job = tmp_path / "job"
+    assert invoke("run", path, "--job-dir", job, "--quiet").exit_code == 0
+    (error,) = jsonl(job / "errors.jsonl")
+    assert error["custom_id"] == "deep" and error["error"]["code"] == "too_deep"
 
 
 def test_nesting_is_measured_without_recursion():

@@ -230,8 +230,11 @@ def test_a_choice_longer_than_the_context_is_that_row_s_error(tmp_path):
     rows = write_rows(tmp_path / "rows.jsonl", [
         {"custom_id": "long", "prompt": "hi", "guided_choice": ["A" * 9000, "B"]},
         {"custom_id": "fine", "prompt": "hi", "guided_choice": ["A", "B"]}])
-    run(rows, "--job-dir", tmp_path / "job")
-    (error,) = jsonl(tmp_path / "job" / "errors.jsonl")
-    assert error["custom_id"] == "long" and "exceed the model's context" in \
-        error["error"]["message"]
-    assert [r["custom_id"] for r in jsonl(tmp_path / "job" / "results.jsonl")] == ["fine"]
+    # Past the choice-length limit first; with the limit raised, past the context.
+    for limit, message in (("choice-chars=1024", "over the limit of 1,024"),
+                           ("choice-chars=20000", "exceed the model's context")):
+        job = tmp_path / limit
+        run(rows, "--job-dir", job, "--limit", limit)
+        (error,) = jsonl(job / "errors.jsonl")
+        assert error["custom_id"] == "long" and message in error["error"]["message"]
+        assert [r["custom_id"] for r in jsonl(job / "results.jsonl")] == ["fine"]

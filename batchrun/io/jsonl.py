@@ -28,8 +28,9 @@ import orjson
 class RawRow:
     index: int  # 0-based among non-blank lines: the row's position in the output
     line: int  # 1-based line number in the file
-    value: Any = None
+    value: Any = None  # with an error: None, or the row's top-level scalars (its id)
     error: str | None = None
+    code: str = "invalid_json"  # the error record's code
 
 
 class InputError(Exception):
@@ -96,7 +97,8 @@ def _rows(path: str | Path, start: int, max_line: int) -> Iterator[RawRow]:
                 continue
             if raw is None:
                 yield RawRow(index, line_no, error=f"the line is {size:,} bytes, over the limit "
-                             f"of {max_line:,} (--limit row-bytes=N raises it)")
+                             f"of {max_line:,} (--limit row-bytes=N raises it)",
+                             code="row_too_large")
             else:
                 yield _parsed(index, line_no, raw)
             index += 1
@@ -122,9 +124,17 @@ def _parsed(index: int, line_no: int, raw: bytes) -> RawRow:
     except orjson.JSONDecodeError as e:
         return RawRow(index, line_no, error=_describe(e, raw))
     if too_deep(value):
-        return RawRow(index, line_no, error=f"the row nests lists and objects more than "
-                      f"{MAX_DEPTH} levels deep")
+        return too_deep_row(index, line_no, value)
     return RawRow(index, line_no, value)
+
+
+def too_deep_row(index: int, line_no: int, value: Any) -> RawRow:
+    """The error row of a value nested past MAX_DEPTH, keeping its top-level scalars (its id:
+    the error record names the row as its other records would)."""
+    scalars = {k: v for k, v in value.items() if not isinstance(v, (dict, list))} \
+        if isinstance(value, dict) else None
+    return RawRow(index, line_no, scalars, f"the row nests lists and objects more than "
+                  f"{MAX_DEPTH} levels deep", "too_deep")
 
 
 def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:

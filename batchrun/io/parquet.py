@@ -9,7 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrun.io.jsonl import MAX_DEPTH, InputError, RawRow, too_deep
+from batchrun.io.jsonl import InputError, RawRow, too_deep, too_deep_row
 
 BATCH_ROWS = 1024
 
@@ -44,7 +44,6 @@ def _rows(path: str | Path, start: int) -> Iterator[RawRow]:
         for row in batch.to_pylist():
             if index >= start:
                 # Parquet has no lines; `line` is the 1-based row number.
-                yield (RawRow(index, index + 1, error=f"the row nests lists and structs more "
-                              f"than {MAX_DEPTH} levels deep") if too_deep(row)
-                       else RawRow(index, index + 1, row))
+                yield too_deep_row(index, index + 1, row) if too_deep(row) \
+                    else RawRow(index, index + 1, row)
             index += 1

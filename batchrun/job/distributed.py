@@ -37,7 +37,7 @@ from typing import Any
 
 from batchrun.engine.request import EngineConfig, EngineStats, SpeculationStats
 from batchrun.io.jsonl import RawRow
-from batchrun.job.rows import RowError, is_openai_line
+from batchrun.job.rows import RowError, is_openai_line, read_error
 from batchrun.job.runner import (
     COMMIT_INTERVAL_S,
     JobError,
@@ -200,7 +200,7 @@ class SliceWorker(RowWork):
             self._sink.owner[raw.index] = job
         for raw in job.rows:
             if raw.error is not None:
-                item = RowError(raw.index, raw.line, str(raw.index), "invalid_json", raw.error)
+                item = read_error(raw, self.row_options.id_column)
             else:
                 item = self._build_task(raw)
             self._submit(item, self._sink, bar)

@@ -30,6 +30,7 @@ from typing import Any
 from batchrun.engine.constrain import Constraint, ConstraintError, response_format_constraint
 from batchrun.engine.prompt import PromptBuilder, PromptError
 from batchrun.engine.request import SamplingParams
+from batchrun.io.jsonl import RawRow
 from batchrun.job.limits import RowLimits
 
 OPENAI_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -167,6 +168,12 @@ def explicit_id(value: Any, id_column: str | None) -> str | None:
 def row_id(value: Any, index: int, id_column: str | None) -> str:
     found = explicit_id(value, id_column)
     return str(index) if found is None else found
+
+
+def read_error(raw: RawRow, id_column: str | None) -> RowError:
+    """The error record of a row that could not be read (not JSON, too long, too deep)."""
+    return RowError(raw.index, raw.line, row_id(raw.value, raw.index, id_column), raw.code,
+                    raw.error or "", is_openai_line(raw.value))
 
 
 def build_task(raw_value: Any, index: int, line: int, prompts: PromptBuilder,

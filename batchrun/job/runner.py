@@ -44,6 +44,7 @@ from batchrun.job.rows import (
     build_task,
     explicit_id,
     is_openai_line,
+    read_error,
     row_id,
 )
 from batchrun.job.sink import OrderedSink, PendingCommit, Record, make_durable
@@ -523,7 +524,7 @@ class JobRunner(RowWork):
     def _check_row(self, raw: RawRow) -> RowError | None:
         """The checks that depend on input order, made before the row is built."""
         if raw.error is not None:
-            return RowError(raw.index, raw.line, str(raw.index), "invalid_json", raw.error)
+            return read_error(raw, self.spec.rows.id_column)
         return self._check_id(raw)
 
     @property
@@ -558,8 +559,7 @@ class JobRunner(RowWork):
 
     def _expected_id(self, raw: RawRow) -> str:
         """The custom_id the row's record carries."""
-        return row_id(raw.value if raw.error is None else None, raw.index,
-                      self.spec.rows.id_column)
+        return row_id(raw.value, raw.index, self.spec.rows.id_column)
 
     def _remember_id(self, raw: RawRow) -> None:
         """A row that already has its record: later rows must still not reuse its id."""
