@@ -26,9 +26,17 @@ from PIL import Image
 
 import batchrun
 import batchrun.api
-import batchrun.io.media as media
 from batchrun.io.jsonl import RawRow
-from batchrun.io.media import ImageCache, MediaError, MediaPolicy, address_problem, load_image
+from batchrun.io.media import (
+    DEFAULT_POLICY,
+    ImageCache,
+    MediaError,
+    MediaPolicy,
+    address_problem,
+    data_uri,
+    fetch,
+    load_image,
+)
 from batchrun.job.feeder import Feeder
 from batchrun.job.rows import RowError, RowOptions, Task, build_task
 
@@ -45,7 +53,7 @@ def png_bytes(color=(200, 10, 10), size=(40, 40)) -> bytes:
     return out.getvalue()
 
 
-def refused(code: str, ref, base_dir, policy=media.DEFAULT_POLICY, field=FIELD) -> str:
+def refused(code: str, ref, base_dir, policy=DEFAULT_POLICY, field=FIELD) -> str:
     with pytest.raises(MediaError) as info:
         load_image(ref, base_dir, field, policy)
     assert info.value.code == code, str(info.value)
@@ -174,9 +182,9 @@ def decoder_spy(monkeypatch) -> dict[str, list[int]]:
         monkeypatch.setattr(module, name, lambda text, *args, **kwargs: (
             seen[into].append(len(text)), real(text, *args, **kwargs))[1])
 
-    spy(media, "unquote", "unescaped")
-    spy(media, "unquote_to_bytes", "unescaped")
-    spy(media.base64, "b64decode", "b64decoded")
+    spy(fetch, "unquote", "unescaped")
+    spy(data_uri, "unquote_to_bytes", "unescaped")
+    spy(data_uri.base64, "b64decode", "b64decoded")
     return seen
 
 
@@ -203,7 +211,7 @@ def test_a_data_uri_over_the_limit_is_refused_before_it_is_decoded(tmp_path, mon
                     "," + "A" * 3 * (limit - 1)):
         seen["unescaped"].clear()
         too_large("data:image/png" + payload, tmp_path, limit - 1)
-        assert sum(seen["unescaped"]) <= media._SLICE and seen["b64decoded"] == []
+        assert sum(seen["unescaped"]) <= data_uri._SLICE and seen["b64decoded"] == []
 
 
 def test_the_cache_checks_the_policy_before_answering(folders):
@@ -355,7 +363,7 @@ def dialed(monkeypatch):
 def loopback_is_public(monkeypatch):
     """A test hook: 127.0.0.1 (the test servers) counts as a public address."""
     real = address_problem
-    monkeypatch.setattr(media, "address_problem",
+    monkeypatch.setattr(fetch, "address_problem",
                         lambda address: None if address == "127.0.0.1" else real(address))
 
 

@@ -12,7 +12,8 @@ import shutil
 import pytest
 from PIL import Image
 
-import batchrun.io.media as media
+import batchrun.io.media.load as media_load
+import batchrun.io.media.local as media_local
 from batchrun.io.media import ImageCache, MediaError, MediaPolicy, load_image
 
 FIELD = "messages[0].content[1].image_url"
@@ -112,14 +113,14 @@ def test_a_folder_swapped_for_a_link_after_the_check_is_not_followed(tree, monke
 
 def test_a_folder_swapped_between_the_caches_stat_and_its_read(tree, monkeypatch, reads):
     inside, outside = tree
-    stat_local = media._stat_local
+    stat_local = media_load._stat_local
 
     def stat_then_swap(*args):
         st = stat_local(*args)
         swap_for_link(inside / "sub", outside)
         return st
 
-    monkeypatch.setattr(media, "_stat_local", stat_then_swap)
+    monkeypatch.setattr(media_load, "_stat_local", stat_then_swap)
     refused("image_path_not_allowed", lambda: ImageCache().load("sub/pic.png", inside, FIELD))
     assert png_bytes(BLUE) not in reads
 
@@ -140,14 +141,14 @@ def test_a_folder_swapped_after_it_was_opened_reads_what_was_opened(tree, monkey
 
 def test_a_file_swapped_for_a_link_after_its_check_is_refused(tree, monkeypatch, reads):
     inside, outside = tree
-    check = media._stat_in
+    check = media_local._stat_in
 
     def check_then_swap(*args):
         st = check(*args)
         swap_for_link(inside / "sub" / "pic.png", outside / "pic.png")
         return st
 
-    monkeypatch.setattr(media, "_stat_in", check_then_swap)
+    monkeypatch.setattr(media_local, "_stat_in", check_then_swap)
     message = refused("image_path_not_allowed", lambda: load_image("sub/pic.png", inside, FIELD))
     assert "symbolic link" in message
     assert png_bytes(BLUE) not in reads
