@@ -20,7 +20,7 @@ from batchrun.engine.engine import Engine
 from batchrun.engine.request import EngineConfig, SamplingParams
 from batchrun.engine.tokens import common_length
 from batchrun.models import LoadedModel, load_model
-from batchrun.models.build import SHAPES, build, corpus
+from batchrun.models.random_model import SHAPES, build, corpus
 
 
 @dataclass(slots=True)

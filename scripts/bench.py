@@ -229,7 +229,7 @@ def main() -> None:
     base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if a.workload in ("labeling", "labeling-peers", "decode", "sweep") and a.device == "gpu" \
             and not (Path(a.model) / "config.json").exists():
-        subprocess.run([PY, "-m", "batchrun.models.build", a.model, "--shape", "llama-1b"],
+        subprocess.run([PY, "-m", "tools.demo_models.build", a.model, "--shape", "llama-1b"],
                        cwd=ROOT, check=True, capture_output=True)
     if a.workload == "labeling":
         rows = 512 if a.device == "gpu" else 120

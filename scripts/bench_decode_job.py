@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from batchrun.models.build import review  # noqa: E402  (no MLX import: cheap)
+from batchrun.models.random_model import review  # noqa: E402  (no MLX import: cheap)
 
 PEER = r'''
 import json, sys, time

@@ -30,7 +30,7 @@ from batchrun.engine import decode_attention
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import EngineConfig, SamplingParams
 from batchrun.models import load_model
-from batchrun.models.build import build
+from batchrun.models.random_model import build
 
 PROMPT_TOKENS, NEW_TOKENS = 128, 256
 

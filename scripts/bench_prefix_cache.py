@@ -25,7 +25,7 @@ from batchrun.cache import make_prefix_cache
 from batchrun.cache.disk import default_cache_dir
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import EngineConfig, SamplingParams
-from batchrun.models.build import review
+from batchrun.models.random_model import review
 
 CONCURRENCY = 64
 

@@ -51,7 +51,7 @@ from batchrun.models import (  # noqa: E402
     RANDOM_DEMO_MODEL,
     load_model,
 )
-from batchrun.models.lessons import (  # noqa: E402
+from tools.demo_models.lessons import (  # noqa: E402
     ESSAY_TASKS,
     FACTS,
     REFERENCE_TASKS,

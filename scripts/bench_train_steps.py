@@ -24,7 +24,8 @@ import batchrun  # noqa: E402, F401  (BLAS routing before MLX)
 # isort: split
 import mlx.core as mx  # noqa: E402
 
-from batchrun.models import DEMO_MODEL, lessons, train  # noqa: E402
+from batchrun.models import DEMO_MODEL  # noqa: E402
+from tools.demo_models import lessons, train  # noqa: E402
 
 
 def main() -> None:
@@ -34,7 +35,7 @@ def main() -> None:
     parser.add_argument("--mlx-exp", action="store_true")
     args = parser.parse_args()
     if args.mlx_exp:
-        from batchrun.models import train_kernels
+        from tools.demo_models import train_kernels
 
         train_kernels.fast_exp = mx.exp
     from transformers import PreTrainedTokenizerFast

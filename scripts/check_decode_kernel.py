@@ -202,7 +202,7 @@ def main() -> None:
                                                       (512, 64), (8, 2048), (64, 1024))]
     if not args.quick:
         if not (Path(args.model) / "config.json").exists():
-            from batchrun.models.build import build
+            from batchrun.models.random_model import build
 
             build(Path(args.model), "150m")
         result["greedy"] = greedy(args.model)

@@ -252,7 +252,7 @@ def main() -> None:
                                 cascade_timing(8, 7, 1763)]
     if not args.quick:
         if not (Path(args.model) / "config.json").exists():
-            from batchrun.models.build import build
+            from batchrun.models.random_model import build
 
             build(Path(args.model), "150m")
         result["greedy"] = greedy(args.model)

@@ -5,12 +5,16 @@
 
 import json
 import random
+import sys
 from pathlib import Path
 
-from batchrun.models.build import question, review
-from batchrun.models.lessons import WEATHER_TOOL, sentiment
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-OUT = Path(__file__).resolve().parents[1] / "sample_data"
+from batchrun.models.random_model import question, review  # noqa: E402
+from tools.demo_models.lessons import WEATHER_TOOL, sentiment  # noqa: E402
+
+OUT = ROOT / "sample_data"
 
 
 def prompts(rng: random.Random, n: int = 64) -> list[dict]:

@@ -26,7 +26,8 @@ from click.testing import CliRunner  # noqa: E402
 from batchrun.cli import cli  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
 from batchrun.engine.request import EngineConfig, SamplingParams  # noqa: E402
-from batchrun.models import REPO_ROOT, build, lessons, load_model, train  # noqa: E402
+from batchrun.models import REPO_ROOT, load_model, random_model  # noqa: E402
+from tools.demo_models import lessons, train  # noqa: E402
 
 THRESHOLDS = {"labels": 190, "questions": 44, "oslo": 1, "essays": 13, "references": 36}
 
@@ -52,8 +53,8 @@ def labels(target: str, tmp: Path) -> int:
 def questions(target: str, tmp: Path) -> int:
     prompts = REPO_ROOT / "sample_data" / "prompts.jsonl"
     texts = job_results([str(prompts), "--model", target, "--no-prefix-cache"], tmp / "q")
-    asked = {task.format(t=t): lessons.answer(task, t) for task in build.TASKS
-             for t in build.TOPICS}
+    asked = {task.format(t=t): lessons.answer(task, t) for task in random_model.TASKS
+             for t in random_model.TOPICS}
     right = 0
     for row in map(orjson.loads, prompts.read_bytes().splitlines()):
         messages = row.get("messages") or [{"role": "user", "content": row.get("prompt")}]
@@ -69,7 +70,7 @@ def engine_counts(lm, draft: str) -> dict:
     essays, _, quoted, _ = train.long_answers_known(engine)
     cities = train.weather_calls_known(engine)
     kept = {}
-    topics4 = build.TOPICS[:4]
+    topics4 = random_model.TOPICS[:4]
     essays4 = [[{"role": "user", "content": lessons.ESSAY_TASKS[0].format(t=t)}] for t in topics4]
     quotes4 = [[{"role": "system", "content": lessons.reference_text(t)},
                 {"role": "user", "content": lessons.REFERENCE_TASKS[2].format(t=t)}]

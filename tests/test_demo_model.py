@@ -4,7 +4,7 @@ import hashlib
 import json
 
 from batchrun.models import DEMO_MODEL, RANDOM_DEMO_MODEL, resolve
-from batchrun.models.build import build
+from batchrun.models.random_model import build
 
 
 def digest(path):

@@ -11,7 +11,8 @@ from test_speculate import generate, tokens
 
 from batchrun.engine import host_attention as ha
 from batchrun.engine.request import SamplingParams
-from batchrun.models import DEMO_MODEL, lessons, load_model
+from batchrun.models import DEMO_MODEL, load_model
+from tools.demo_models import lessons
 
 
 @pytest.fixture(scope="module")

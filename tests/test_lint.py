@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_ruff_is_clean():
     ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
     assert ruff, "ruff is a test dependency: pip install -e '.[test]'"
-    out = subprocess.run([ruff, "check", "batchrun", "tests", "scripts"], cwd=ROOT,
+    out = subprocess.run([ruff, "check", "batchrun", "tests", "scripts", "tools"], cwd=ROOT,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
 

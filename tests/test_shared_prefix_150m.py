@@ -6,7 +6,7 @@ with two instructions mixed in one batch."""
 import pytest
 
 from batchrun.models import load_model
-from batchrun.models.build import build
+from batchrun.models.random_model import build
 from tests.test_shared_prefix import FIRST, SECOND, rows, run
 
 

@@ -18,7 +18,8 @@ from batchrun.engine.engine import Engine
 from batchrun.engine.request import DEFAULT_DRAFT_TOKENS, Constraint, EngineConfig, SamplingParams
 from batchrun.engine.shared_prefix import SharedPrefix, SharedPrefixBatchCache
 from batchrun.engine.speculate import Speculator, ngram_proposal, rollback
-from batchrun.models import DEMO_DRAFT_MODEL, DEMO_MODEL, build, lessons, load_model
+from batchrun.models import DEMO_DRAFT_MODEL, DEMO_MODEL, load_model
+from tools.demo_models import lessons
 
 QUESTIONS = ["Explain photosynthesis in two sentences.", "List three facts about vaccines.",
              "Write a short poem about recursion.", "Give an analogy for black holes.",
@@ -962,7 +963,7 @@ def test_the_trained_pair_keeps_most_guesses_on_essays_and_n_grams_on_references
     """The workloads speculation is for (README: what it gains): the draft guesses the trained
     demo's essays, and prompt lookup its quotes of a reference in the prompt; most guesses are
     kept and the tokens are plain decoding's."""
-    topics = build.TOPICS[:4]
+    topics = lessons.TOPICS[:4]
     params = SamplingParams(max_tokens=64)
     essays = chats([lessons.ESSAY_TASKS[0].format(t=t) for t in topics])
     quotes = [[{"role": "system", "content": lessons.reference_text(t)},

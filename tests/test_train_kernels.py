@@ -1,4 +1,4 @@
-"""The demo trainer's packed rows and cheaper exp (batchrun/models/train_kernels.py, train.py):
+"""The demo trainer's packed rows and cheaper exp (tools/demo_models/train_kernels.py, train.py):
 what the trainer computes is what MLX's own ops compute on the examples one by one."""
 
 import json
@@ -9,7 +9,7 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from batchrun.models import train, train_kernels
+from tools.demo_models import train, train_kernels
 
 CONFIG = {"model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2,
           "intermediate_size": 48, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -1,4 +1,4 @@
-"""The trained demo pair's lessons and trainer (batchrun/models/lessons.py, train.py)."""
+"""The trained demo pair's lessons and trainer (tools/demo_models/lessons.py, train.py)."""
 
 import random
 import re
@@ -7,12 +7,13 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from batchrun.models import build, lessons, train
+from batchrun.models import random_model
+from tools.demo_models import lessons, train
 
 
 def test_every_sample_question_has_an_answer_and_every_review_its_sentiment():
-    for task in build.TASKS:
-        for topic in build.TOPICS:
+    for task in random_model.TASKS:
+        for topic in random_model.TOPICS:
             assert lessons.answer(task, topic).strip()
     rng = random.Random(3)
     for _ in range(200):
@@ -21,7 +22,7 @@ def test_every_sample_question_has_an_answer_and_every_review_its_sentiment():
         label = chat[-1]["content"]
         if "Some days I like it" in review:
             assert label == "neutral"
-        elif any(f" {word} " in f" {review.replace('.', ' ')} " for word in build.BAD):
+        elif any(f" {word} " in f" {review.replace('.', ' ')} " for word in random_model.BAD):
             assert label in ("negative", "neutral")
         assert label in ("positive", "negative", "neutral")
     assert lessons.examples(7, 50) == lessons.examples(7, 50)
@@ -32,14 +33,14 @@ def test_essays_are_long_and_reference_answers_copy_the_references_sentences(tok
     topic's answers, in order), and an extraction row's answer is the reference's own
     sentences."""
     tok, _ = tokenizer
-    for topic in build.TOPICS:
+    for topic in random_model.TOPICS:
         text = lessons.essay(topic)
         assert len(tok.encode(text)) > 256
-        assert all(lessons.answer(task, topic) in text for task in build.TASKS)
+        assert all(lessons.answer(task, topic) in text for task in random_model.TASKS)
     rng = random.Random(5)
     for _ in range(100):
         system, user, reply = lessons.reference_chat(rng)
-        topic = next(t for t in build.TOPICS for task in lessons.REFERENCE_TASKS
+        topic = next(t for t in random_model.TOPICS for task in lessons.REFERENCE_TASKS
                      if task.format(t=t) == user["content"])
         unnumbered = re.sub(r"^\d+\. ", "", reply["content"], flags=re.M)
         sentences = re.split(r"(?<=\.)\s+", unnumbered)
@@ -48,7 +49,7 @@ def test_essays_are_long_and_reference_answers_copy_the_references_sentences(tok
 
     def asks(chat, tasks):
         return isinstance(chat, list) and any(chat[-2]["content"] == task.format(t=t)
-                                              for task in tasks for t in build.TOPICS)
+                                              for task in tasks for t in random_model.TOPICS)
 
     for long_answers in (False, True):  # without --long-answers, neither
         chats = [c for c, _ in lessons.examples(3, 400, long_answers)]
@@ -62,7 +63,7 @@ def tokenizer(tmp_path_factory):
     from transformers import PreTrainedTokenizerFast
 
     out = tmp_path_factory.mktemp("tok")
-    build.model_folder(out, train.SHAPES["draft"], 0, "demo-draft")
+    random_model.model_folder(out, train.SHAPES["draft"], 0, "demo-draft")
     return PreTrainedTokenizerFast.from_pretrained(str(out)), out
 
 
@@ -176,7 +177,7 @@ def test_the_trained_demo_answers_the_sample_questions_with_its_lessons(tmp_path
     texts = {r["custom_id"]: r["text"].strip() for r in map(
         orjson.loads, (tmp_path / "job" / "results.jsonl").read_bytes().splitlines())}
     asked = {task.format(t=topic): lessons.answer(task, topic)
-             for task in build.TASKS for topic in build.TOPICS}
+             for task in random_model.TASKS for topic in random_model.TOPICS}
     rows = [orjson.loads(line) for line in prompts.read_bytes().splitlines()]
     right = total = 0
     for row in rows:
@@ -202,7 +203,7 @@ def test_a_pair_trained_from_any_seed_writes_the_demo_models_token_ids(tmp_path,
     monkeypatch.setattr(train, "BATCH", 2)
     monkeypatch.setattr(train, "labeling_accuracy", lambda folder: 0.0)  # not this test's
     train.train_pair(tmp_path / "target", tmp_path / "draft", 1, 3, examples=40,
-                     target_shape=build.Shape(64, 1, 96, 4, 2))
+                     target_shape=random_model.Shape(64, 1, 96, 4, 2))
     for role in ("target", "draft"):
         assert (tmp_path / role / "tokenizer.json").read_bytes() == \
             (RANDOM_DEMO_MODEL / "tokenizer.json").read_bytes()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from batchrun.models import REPO_ROOT
-from batchrun.models.build_vision import MAX_PIXELS, build_vision
+from tools.demo_models.build_vision import MAX_PIXELS, build_vision
 
 VISION_MODEL = REPO_ROOT / "sample_data" / "demo-vision-model"
 IMAGES = REPO_ROOT / "sample_data" / "images"

@@ -20,11 +20,11 @@ VISION_FILES = ("preprocessor_config.json", "processor_config.json",
                 "video_preprocessor_config.json")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The demo model: a small Llama-shaped model trained here on the sample data's kind of text
-# (train.py), and its draft (same tokenizer, for speculative decoding).
+# (tools/demo_models/train.py), and its draft (same tokenizer, for speculative decoding).
 DEMO_MODEL = REPO_ROOT / "sample_data" / "demo-trained"
 DEMO_DRAFT_MODEL = REPO_ROOT / "sample_data" / "demo-draft"
-# The same tokenizer with random weights (build.py): tests and benchmarks, whose rows then run
-# to their max_tokens.
+# The same tokenizer with random weights (random_model.py): tests and benchmarks, whose rows
+# then run to their max_tokens.
 RANDOM_DEMO_MODEL = REPO_ROOT / "sample_data" / "demo-model"
 DEMO_NAME = "demo"
 
@@ -49,8 +49,8 @@ def resolve(model: str | None) -> str:
         if (DEMO_MODEL / "config.json").exists():
             return str(DEMO_MODEL)
         # Installed without the repo: build the random-weight demo model once (training the
-        # trained one takes minutes: python -m batchrun.models.train).
-        from batchrun.models.build import build
+        # trained one takes minutes: python -m tools.demo_models.train).
+        from batchrun.models.random_model import build
         from batchrun.paths import default_cache_dir
 
         target = default_cache_dir() / "demo-model"

@@ -6,13 +6,13 @@ initialization and fp32 arithmetic). Each step packs its examples into rows and 
 with multiplies and adds (train_kernels.py): about twice as fast on this CPU as padding each
 example and MLX's scalar exp, with the same losses to three decimals.
 
-    python -m batchrun.models.train sample_data/demo-trained sample_data/demo-draft
+    python -m tools.demo_models.train sample_data/demo-trained sample_data/demo-draft
         [--steps N] [--draft-steps N] [--seed S] [--long-answers]
         [--more-steps N [--more-lr LR]] [--target-shape H,L,I,A,KV]
 
-Each folder is a complete mlx-lm model (the demo tokenizer and chat template of build.py). The
-labeling accuracy on held-out reviews is printed and written to the target's config.json
-(`batchrun_training`).
+Each folder is a complete mlx-lm model (the demo tokenizer and chat template of
+batchrun/models/random_model.py). The labeling accuracy on held-out reviews is printed and
+written to the target's config.json (`batchrun_training`).
 """
 
 from __future__ import annotations
@@ -32,11 +32,13 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx.utils import tree_flatten
 
-from batchrun.models import build, lessons, train_kernels
+from batchrun.models import random_model
+from tools.demo_models import lessons, train_kernels
 
 SHAPES = {
-    "target": build.Shape(192, 4, 512, 6, 2),
-    "draft": build.Shape(96, 1, 256, 3, 1),  # one layer: a draft forward is mostly per-op cost
+    "target": random_model.Shape(192, 4, 512, 6, 2),
+    # one layer: a draft forward is mostly per-op cost
+    "draft": random_model.Shape(96, 1, 256, 3, 1),
 }
 BATCH = 16
 LENGTH_STEP = 32  # rows are as wide as their group's bound, rounded up to a multiple of this
@@ -185,7 +187,7 @@ def labeling_accuracy(folder: Path, rows: int = 200, seed: int = 12345) -> float
     rng = random.Random(seed)
     chats, expected = [], []
     for _ in range(rows):
-        product, text, rating = build.review(rng)
+        product, text, rating = random_model.review(rng)
         chats.append(lessons.label_request(product, text))
         expected.append(lessons.sentiment(rating))
     outs = engine.generate(chats, SamplingParams(max_tokens=4))
@@ -198,12 +200,12 @@ def long_answers_known(engine) -> tuple[int, int, int, int]:
     reference questions asked). The demo's test and scripts/probe_pair.py both count so."""
     from batchrun.engine.request import SamplingParams
 
-    topics = [(task, t) for task in lessons.ESSAY_TASKS for t in build.TOPICS]
+    topics = [(task, t) for task in lessons.ESSAY_TASKS for t in random_model.TOPICS]
     outs = engine.generate([[{"role": "user", "content": task.format(t=t)}]
                             for task, t in topics], SamplingParams(max_tokens=256))
     essays = sum(len(o.token_ids) == 256 and lessons.essay(t).startswith(o.text)
                  for (_, t), o in zip(topics, outs, strict=True))
-    asked = [(task, t) for t in build.TOPICS for task in lessons.REFERENCE_TASKS]
+    asked = [(task, t) for t in random_model.TOPICS for task in lessons.REFERENCE_TASKS]
     outs = engine.generate([[{"role": "system", "content": lessons.reference_text(t)},
                              {"role": "user", "content": task.format(t=t)}] for task, t in asked],
                            SamplingParams(max_tokens=128))
@@ -239,7 +241,7 @@ def weather_calls_known(engine) -> list[str]:
 def write_model(out: Path, model, config: dict) -> None:
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    build._write_json(out / "config.json", config)
+    random_model.write_json(out / "config.json", config)
 
 
 def continue_training(model, data: list, steps: int, seed: int, peak_lr: float,
@@ -254,7 +256,7 @@ def continue_training(model, data: list, steps: int, seed: int, peak_lr: float,
 def train_pair(target_out: Path, draft_out: Path, steps: int, seed: int,
                draft_steps: int | None = None, examples: int = 20000,
                more_steps: int = 0, more_lr: float = PEAK_LR / 3,
-               long_answers: bool = False, target_shape: build.Shape | None = None) -> dict:
+               long_answers: bool = False, target_shape: random_model.Shape | None = None) -> dict:
     """Train and write both models; the target's held-out labeling accuracy and losses. With
     `more_steps`, the target then trains that many more (a second warm-up and decay, peaking at
     `more_lr`, batches drawn with seed + 1). `target_shape` replaces SHAPES["target"]."""
@@ -266,7 +268,8 @@ def train_pair(target_out: Path, draft_out: Path, steps: int, seed: int,
         out.mkdir(parents=True, exist_ok=True)
         # The tokenizer stays the demo model's (seed 0) whatever the seed: the seed draws the
         # weights and lessons, and every demo model then writes the same token ids.
-        config = build.model_folder(out, shapes[role], seed, f"demo-{role}", tokenizer_seed=0)
+        config = random_model.model_folder(out, shapes[role], seed, f"demo-{role}",
+                                           tokenizer_seed=0)
         if data is None:
             from transformers import PreTrainedTokenizerFast
 
@@ -287,7 +290,7 @@ def train_pair(target_out: Path, draft_out: Path, steps: int, seed: int,
     results["target"]["labeling_accuracy"] = accuracy
     config = json.loads((target_out / "config.json").read_text())
     config["batchrun_training"]["labeling_accuracy"] = round(accuracy, 4)
-    build._write_json(target_out / "config.json", config)
+    random_model.write_json(target_out / "config.json", config)
     print(json.dumps(results), flush=True)
     return results
 
@@ -320,12 +323,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"error: {e.strerror or e}: {e.filename or ''}") from None
 
 
-def _dims(shape: build.Shape) -> tuple[int, ...]:
+def _dims(shape: random_model.Shape) -> tuple[int, ...]:
     return (shape.hidden_size, shape.num_hidden_layers, shape.intermediate_size,
             shape.num_attention_heads, shape.num_key_value_heads)
 
 
-def _shape(text: str) -> build.Shape:
+def _shape(text: str) -> random_model.Shape:
     try:
         dims = [int(d) for d in text.split(",")]
     except ValueError:
@@ -333,7 +336,7 @@ def _shape(text: str) -> build.Shape:
     if len(dims) != 5 or min(dims) < 1 or dims[0] % dims[3] or dims[3] % dims[4]:
         raise argparse.ArgumentTypeError(
             "five positive integers H,L,I,A,KV: H divisible by A, A by KV")
-    return build.Shape(*dims)
+    return random_model.Shape(*dims)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """What the trained demo models learn (train.py): chats and text built from the same generators
-as the sample data (build.py), so the demo answers the sample jobs sensibly.
+as the sample data (batchrun/models/random_model.py), so the demo answers the sample jobs sensibly.
 
-- labeling: a review (build.review) with the sample jobs' instruction and prompt template,
+- labeling: a review (random_model.review) with the sample jobs' instruction and prompt template,
   answered with its sentiment (rating 4-5 positive, 1-2 negative, 3 neutral);
-- questions: build.TASKS about build.TOPICS, answered from a few facts a topic written here;
+- questions: random_model.TASKS about random_model.TOPICS, answered from a few facts a topic
+  written here;
 - essays (with `long_answers`): "Write an essay about <topic>." answered with ~300 tokens: the
   topic's answers to every question above, in a fixed order (speculation's 8 x 256 job);
 - references (with `long_answers`): a topic's facts as a `Reference:` system message, then a
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import random
 
-from batchrun.models.build import TASKS, TOPICS, review
+from batchrun.models.random_model import TASKS, TOPICS, review
 
 # The sample jobs' instruction and prompt (jobs/label_reviews*.toml).
 LABEL_SYSTEM = "You label product reviews. Answer with one word: positive, negative or neutral."

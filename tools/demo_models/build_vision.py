@@ -6,7 +6,7 @@ lists, the image / video processor files (so loading never asks the hub), and fp
 drawn from a seeded NumPy generator: the same command rebuilds the same bytes. Its text is
 meaningless, but it depends on the image: input and output embeddings are untied.
 
-    python -m batchrun.models.build_vision sample_data/demo-vision-model
+    python -m tools.demo_models.build_vision sample_data/demo-vision-model
 """
 
 from __future__ import annotations
@@ -18,7 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from batchrun.models.build import CONTEXT_LENGTH, _write_json, build_tokenizer, tokenizer_config
+from batchrun.models.random_model import (
+    CONTEXT_LENGTH,
+    build_tokenizer,
+    tokenizer_config,
+    write_json,
+)
 
 # Qwen2-VL's image and video markers; one <|image_pad|> in a prompt becomes one token per merged
 # 2x2 block of 14 px patches.
@@ -75,7 +80,7 @@ def build_vision_tokenizer(out: Path) -> tuple[dict[str, int], int]:
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t in VISION_TOKENS])
     tok.save(str(out / "tokenizer.json"))
-    _write_json(out / "tokenizer_config.json", tokenizer_config(CHAT_TEMPLATE))
+    write_json(out / "tokenizer_config.json", tokenizer_config(CHAT_TEMPLATE))
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE + "\n")
     added = json.loads((out / "tokenizer.json").read_text())["added_tokens"]
     return {t["content"]: t["id"] for t in added if t["special"]}, tok.get_vocab_size()
@@ -139,10 +144,10 @@ def build_vision(out: str | Path, seed: int = 0) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = model_config(*build_vision_tokenizer(out), seed)
-    _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", {"eos_token_id": config["eos_token_id"]})
+    write_json(out / "config.json", config)
+    write_json(out / "generation_config.json", {"eos_token_id": config["eos_token_id"]})
     for name, obj in processor_configs().items():
-        _write_json(out / name, obj)
+        write_json(out / name, obj)
     _write_weights(out / "model.safetensors", config, seed)
     return out
 

@@ -1,17 +1,15 @@
-"""Build random-weight Llama-shaped models that load through `mlx_lm.load` like any real one.
+"""Random-weight Llama-shaped models that load through `mlx_lm.load` like any real one.
 
 The bundled demo model (`sample_data/demo-model`) is made here: a byte-level BPE tokenizer trained
 on a synthetic corpus, a ChatML chat template with tools and `enable_thinking`, and fp32 weights
-drawn from a seeded NumPy generator, so the same command rebuilds the same files. Larger shapes
+drawn from a seeded NumPy generator, so the same call rebuilds the same files. Larger shapes
 (`150m`, `llama-1b`) reuse the tokenizer and exist for benchmarks: their text is meaningless.
-
-    python -m batchrun.models.build sample_data/demo-model            # the demo model
-    python -m batchrun.models.build /tmp/m150 --shape 150m            # ~150M params, fp32
+It ships because an install without the repo builds the demo model on first use and
+`batchrun bench --shape` builds its shapes; the command line is tools/demo_models/build.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from dataclasses import dataclass
@@ -168,7 +166,7 @@ def build_tokenizer(out: Path, vocab_size: int = 2048, seed: int = 0) -> int:
     tok.train_from_iterator(corpus(seed), trainer=trainer)
     tok.add_tokens(MARKUP_TOKENS)
     tok.save(str(out / "tokenizer.json"))
-    _write_json(out / "tokenizer_config.json", tokenizer_config(CHAT_TEMPLATE))
+    write_json(out / "tokenizer_config.json", tokenizer_config(CHAT_TEMPLATE))
     return tok.get_vocab_size()
 
 
@@ -225,8 +223,8 @@ def model_folder(out: Path, spec: Shape, seed: int, shape: str,
         "batchrun_shape": shape,
         "batchrun_seed": seed,
     }
-    _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", {"eos_token_id": eos})
+    write_json(out / "config.json", config)
+    write_json(out / "generation_config.json", {"eos_token_id": eos})
     return config
 
 
@@ -253,18 +251,6 @@ def _write_weights(path: Path, config: dict, spec: Shape, seed: int) -> None:
     mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
 
 
-def _write_json(path: Path, obj: dict) -> None:
+def write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", help="output folder")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="demo")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    print(build(args.out, args.shape, args.seed))
-
-
-if __name__ == "__main__":
-    main()
