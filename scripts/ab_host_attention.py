@@ -1,6 +1,6 @@
-"""The CPU's attention through NumPy (engine/host_attention.py) against MLX's own, interleaved in
-one process, on bench_speculate.py's workloads and `prefill` (64 rows of its extraction prompts,
-~300 tokens each, 2 new tokens each, all at once: plain decoding only):
+"""The CPU's attention through NumPy (engine/kernels/host_attention.py) against MLX's own,
+interleaved in one process, on bench_speculate.py's workloads and `prefill` (64 rows of its
+extraction prompts, ~300 tokens each, 2 new tokens each, all at once: plain decoding only):
 
     python scripts/ab_host_attention.py OUT.json [--reps 7] [--workloads prefill,extract,essays]
         [--systems plain,ngram6,draft6]
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_speculate as bench  # noqa: E402  (imports batchrun first: BLAS routing)
 
-from batchrun.engine import host_attention  # noqa: E402
+from batchrun.engine.kernels import host_attention  # noqa: E402
 from batchrun.engine.request import SamplingParams  # noqa: E402
 from batchrun.models import DEMO_MODEL, load_model  # noqa: E402
 

@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import batchrun  # noqa: E402, F401  (BLAS routing before MLX)
 from batchrun import bench  # noqa: E402
-from batchrun.engine import host_attention, shared_prefix, text  # noqa: E402
+from batchrun.engine.backends import text  # noqa: E402
+from batchrun.engine.kernels import host_attention, shared_prefix  # noqa: E402
 from batchrun.models import load_model  # noqa: E402
 
 VARIANTS = {

@@ -23,7 +23,7 @@ import batchrun  # noqa: F401  (routes MLX to OpenBLAS: must come before mlx.cor
 import mlx.core as mx
 
 from batchrun import bench as b
-from batchrun.engine.constrain import Constraint
+from batchrun.engine.decoding.constrain import Constraint
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import EngineConfig, SamplingParams
 

@@ -5,9 +5,10 @@
     python scripts/bench_gpu.py OUT_DIR [--rows 1024] [--concurrency 256,1024] [--profile]
         [--systems batchrun,batchrun_masked,batchrun_defaults,batchrun_mlx_step,batch_generate,hf]
 
-`batchrun_mlx_step` is batchrun on mlx-lm's own GenerationBatch instead of engine/batch.py's;
-`batchrun_masked` decodes through MLX's attention with mlx-lm's mask instead of the ranged
-decode kernel (engine/decode_attention.py); `batchrun_defaults` runs with no flags.
+`batchrun_mlx_step` is batchrun on mlx-lm's own GenerationBatch instead of
+engine/backends/batch.py's; `batchrun_masked` decodes through MLX's attention with mlx-lm's mask
+instead of the ranged decode kernel (engine/kernels/decode_attention.py); `batchrun_defaults`
+runs with no flags.
 `--profile` adds the bare model's decode step (the floor any engine on MLX can reach) and a
 timing of where batchrun's step goes: waiting on the device vs host work.
 
@@ -25,9 +26,9 @@ import batchrun  # noqa: F401
 # isort: split
 import mlx.core as mx
 
-import batchrun.engine.text as text_module
-from batchrun.engine import decode_attention
+import batchrun.engine.backends.text as text_module
 from batchrun.engine.engine import Engine
+from batchrun.engine.kernels import decode_attention
 from batchrun.engine.request import EngineConfig, SamplingParams
 from batchrun.models import load_model
 from batchrun.models.random_model import build

@@ -20,7 +20,7 @@ import mlx_vlm
 
 from batchrun.bench import machine
 from batchrun.engine.request import EngineConfig, SamplingParams
-from batchrun.engine.vision import VisionEngine
+from batchrun.engine.vision_engine import VisionEngine
 from batchrun.io.media import ImageCache
 
 ROOT = Path(__file__).resolve().parents[1]

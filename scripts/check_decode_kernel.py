@@ -1,4 +1,4 @@
-"""Check the ranged decode kernel (batchrun/engine/decode_attention.py) on a CUDA device.
+"""Check the ranged decode kernel (batchrun/engine/kernels/decode_attention.py) on a CUDA device.
 
     python scripts/check_decode_kernel.py OUT_DIR [--quick | --greedy-only]
 
@@ -28,7 +28,7 @@ import batchrun  # noqa: F401
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from batchrun.engine import decode_attention as da
+from batchrun.engine.kernels import decode_attention as da
 
 TOLERANCE = {mx.float32: 2e-5, mx.float16: 2e-3, mx.bfloat16: 1.6e-2}
 

@@ -1,4 +1,5 @@
-"""Check the shared-prefix attention kernel (batchrun/engine/prefix_attention.py) on a CUDA device.
+"""Check the shared-prefix attention kernel (batchrun/engine/kernels/prefix_attention.py) on a
+CUDA device.
 
     python scripts/check_prefix_kernel.py OUT_DIR [--quick]
 
@@ -28,8 +29,8 @@ import batchrun  # noqa: F401
 # isort: split
 import mlx.core as mx
 
-from batchrun.engine import prefix_attention as pa
-from batchrun.engine import shared_prefix
+from batchrun.engine.kernels import prefix_attention as pa
+from batchrun.engine.kernels import shared_prefix
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from check_decode_kernel import timed  # noqa: E402  (milliseconds a call, warmed up)
@@ -205,7 +206,7 @@ def gaps(lm, chats: list, off: list[list[int]], on: list[list[int]]) -> dict:
     the prompt and the tokens both chose (MLX's own attention), the logit gap between the two
     tokens chosen there, and the gap between the top two logits at every position of the
     first 8 rows, for scale."""
-    from batchrun.engine.prompt import PromptBuilder
+    from batchrun.engine.backends.prompt import PromptBuilder
 
     builder = PromptBuilder(lm.tokenizer)
 

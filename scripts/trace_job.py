@@ -37,14 +37,13 @@ if "--model" in sys.argv:  # as the command line does, before this script import
     keep_torch_out(sys.argv[sys.argv.index("--model") + 1])
 from batchrun.cache import disk  # noqa: E402
 from batchrun.cli import entry  # noqa: E402
-from batchrun.engine import (  # noqa: E402
-    batch,
+from batchrun.engine import engine  # noqa: E402
+from batchrun.engine.backends import batch, text  # noqa: E402
+from batchrun.engine.kernels import (  # noqa: E402
     decode_attention,
-    engine,
     nvrtc,
     prefix_attention,
     shared_prefix,
-    text,
 )
 from batchrun.job import feeder, runner  # noqa: E402
 

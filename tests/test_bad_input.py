@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from batchrun import models
 from batchrun.cli import cli
-from batchrun.engine.prompt import PromptBuilder
+from batchrun.engine.backends.prompt import PromptBuilder
 from batchrun.io.jsonl import is_gzip_header, read_jsonl
 from batchrun.job.rows import RowError, RowOptions, Task, build_task
 from batchrun.job.sink import OrderedSink

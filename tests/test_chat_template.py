@@ -2,8 +2,8 @@
 
 import pytest
 
+from batchrun.engine.backends.prompt import PromptBuilder, PromptError
 from batchrun.engine.engine import Engine
-from batchrun.engine.prompt import PromptBuilder, PromptError
 from batchrun.engine.request import EngineConfig, SamplingParams
 
 TOOLS = [{"type": "function", "function": {

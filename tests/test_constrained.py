@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from helpers import choice_logprob, jsonl, run, write_rows
 
 from batchrun.cli import cli
-from batchrun.engine.constrain import Constraint
+from batchrun.engine.decoding.constrain import Constraint
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import EngineConfig, SamplingParams
 

@@ -9,9 +9,9 @@ import pytest
 from mlx_lm.models.base import create_causal_mask
 from test_shared_prefix import FIRST, SECOND, rows, run
 
-from batchrun.engine import decode_attention as da
 from batchrun.engine.engine import Engine
-from batchrun.engine.nvrtc import NvrtcError
+from batchrun.engine.kernels import decode_attention as da
+from batchrun.engine.kernels.nvrtc import NvrtcError
 from batchrun.engine.request import EngineConfig, SamplingParams
 
 

@@ -250,8 +250,8 @@ def test_lean_decode_step_gives_what_mlx_lm_step_gives(demo, monkeypatch):
     """batchrun's own decode step (batch.py) against mlx-lm's GenerationBatch: a mixed batch of
     greedy, seeded, logprob and penalized rows (whose penalties read the row's tokens so far)
     yields the same tokens and logprobs."""
-    import batchrun.engine.sampling as sampling
-    import batchrun.engine.text as text_module
+    import batchrun.engine.backends.text as text_module
+    import batchrun.engine.decoding.sampling as sampling
 
     seen = []  # the token context each penalized row's processor is called with
     real_call = sampling.LogitAdjustments.__call__

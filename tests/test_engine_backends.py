@@ -9,7 +9,7 @@ import pytest
 
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import EngineConfig, FinishReason, SamplingParams
-from batchrun.engine.vision import VisionEngine
+from batchrun.engine.vision_engine import VisionEngine
 from batchrun.models import load_vision_model
 
 MODEL = Path(__file__).resolve().parents[1] / "sample_data" / "demo-vision-model"
@@ -193,7 +193,7 @@ def test_sampled_rows_report_the_models_logprobs(make):
 
 
 def test_choices_rows_get_choice_probs_and_leave_other_rows_unchanged(make):
-    from batchrun.engine.constrain import Constraint
+    from batchrun.engine.decoding.constrain import Constraint
 
     choices = Constraint.choices(["positive", "negative", "neutral"])
     plain = make().generate(PROMPTS, SamplingParams(max_tokens=6))

@@ -1,6 +1,6 @@
-"""The first use of the GPU's kernels paid beside the model's loading (engine/first_use.py): a
-one-layer stand-in of the model's configuration, warmed up on a thread of its own. Only on
-CUDA; here its parts run on the CPU."""
+"""The first use of the GPU's kernels paid beside the model's loading
+(engine/kernels/first_use.py): a one-layer stand-in of the model's configuration, warmed up on a
+thread of its own. Only on CUDA; here its parts run on the CPU."""
 
 import json
 import logging
@@ -9,8 +9,8 @@ import threading
 import mlx.core as mx
 import pytest
 
-from batchrun.engine import first_use
 from batchrun.engine.engine import Engine
+from batchrun.engine.kernels import first_use
 from batchrun.engine.request import EngineConfig, SamplingParams
 from batchrun.models import DEMO_MODEL, load_model
 

@@ -1,6 +1,6 @@
-"""The CPU's attention of several queries a row through NumPy (engine/host_attention.py): what
-MLX's attention gives for every mask mlx-lm passes, in chunks too, which calls it takes, and the
-engine's greedy tokens with it on and off."""
+"""The CPU's attention of several queries a row through NumPy (engine/kernels/host_attention.py):
+what MLX's attention gives for every mask mlx-lm passes, in chunks too, which calls it takes, and
+the engine's greedy tokens with it on and off."""
 
 import mlx.core as mx
 import numpy as np
@@ -9,7 +9,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 from test_speculate import generate, tokens
 
-from batchrun.engine import host_attention as ha
+from batchrun.engine.kernels import host_attention as ha
 from batchrun.engine.request import SamplingParams
 from batchrun.models import DEMO_MODEL, load_model
 from tools.demo_models import lessons
@@ -166,7 +166,7 @@ def test_a_choices_rows_scoring_goes_through_it_to_the_same_answer(pair, monkeyp
     """Every forward of an engine step takes it, a choices row's scoring of its multi-token
     choices (after the batch's step) too: the same answers and choice log-probabilities."""
     from batchrun.engine import engine as engine_module
-    from batchrun.engine.constrain import Constraint
+    from batchrun.engine.decoding.constrain import Constraint
     from batchrun.engine.engine import Engine
     from batchrun.engine.request import EngineConfig
 

@@ -12,10 +12,11 @@ import pytest
 from mlx_lm.models import llama
 from test_shared_prefix import FIRST, SECOND, rows, run
 
-from batchrun.engine import decode_attention as da
-from batchrun.engine import nvrtc, shared_prefix, text
-from batchrun.engine import prefix_attention as pa
-from batchrun.engine.nvrtc import NvrtcError
+from batchrun.engine.backends import text
+from batchrun.engine.kernels import decode_attention as da
+from batchrun.engine.kernels import nvrtc, shared_prefix
+from batchrun.engine.kernels import prefix_attention as pa
+from batchrun.engine.kernels.nvrtc import NvrtcError
 
 
 def inputs(rows=3, kv_heads=2, width=12, length=150, D=64, dtype=mx.float32, seed=0):

@@ -6,9 +6,9 @@ import orjson
 import pytest
 from helpers import jsonl, run, write_rows
 
+from batchrun.engine.decoding.sampling import LogitAdjustments
 from batchrun.engine.engine import Engine
 from batchrun.engine.request import SamplingParams
-from batchrun.engine.sampling import LogitAdjustments
 
 PROMPT = "Review: the kettle is fine"
 
@@ -43,7 +43,7 @@ def test_a_plain_steps_bias_and_min_tokens_are_each_rows_own_call_bit_for_bit():
     with a penalty (which reads the row's tokens), are left to their own."""
     from mlx_lm.models.cache import TokenBuffer
 
-    from batchrun.engine.batch import LeanGenerationBatch
+    from batchrun.engine.backends.batch import LeanGenerationBatch
 
     end = 2
     rows = [SamplingParams(min_tokens=2, logit_bias=((4, 3.5), (9, -1.25))), None,

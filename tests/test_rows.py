@@ -2,7 +2,7 @@
 
 import pytest
 
-from batchrun.engine.prompt import PromptBuilder
+from batchrun.engine.backends.prompt import PromptBuilder
 from batchrun.engine.request import FinishReason, Output, SamplingParams
 from batchrun.io.jsonl import read_jsonl
 from batchrun.job.rows import RowError, RowOptions, Task, build_task

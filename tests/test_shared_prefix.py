@@ -8,15 +8,15 @@ import mlx.core as mx
 import pytest
 
 from batchrun.cache import block_layout, make_prefix_cache
-from batchrun.engine import shared_prefix
 from batchrun.engine.engine import Engine
-from batchrun.engine.request import EngineConfig, SamplingParams
-from batchrun.engine.shared_prefix import (
+from batchrun.engine.kernels import shared_prefix
+from batchrun.engine.kernels.shared_prefix import (
     PrefixedCache,
     SharedPrefix,
     SharedPrefixBatchCache,
     attention_with_prefix,
 )
+from batchrun.engine.request import EngineConfig, SamplingParams
 
 FIRST = "You label product reviews as positive, negative or neutral. " + " ".join(
     f"Example {i}: the kettle is sturdy and quiet, so it is positive." for i in range(14))
@@ -179,7 +179,7 @@ def test_tokens_rows_share_past_their_cached_blocks_are_computed_once(demo, conc
 
 def test_a_tail_that_fails_to_compute_leaves_the_rows_to_compute_it(demo, monkeypatch,
                                                                      caplog, tmp_path):
-    from batchrun.engine.text import TextBackend
+    from batchrun.engine.backends.text import TextBackend
 
     chats = tail_rows()
     reference, _ = run(demo, chats, prefix=False)
@@ -309,7 +309,7 @@ def test_the_prefix_part_s_speed_knobs_keep_its_result(monkeypatch, knobs, dtype
 def test_a_prefix_computed_in_steps_on_the_cpu_matches_one_computed_whole(demo, monkeypatch):
     """On the CPU a shared prefix is computed a few hundred tokens at a time, each step
     attending the ones before as a shared prefix: the KV is the whole prefill's."""
-    from batchrun.engine import text
+    from batchrun.engine.backends import text
     from batchrun.engine.sequence import Sequence
 
     monkeypatch.setattr(text, "CPU_PREFIX_STEP", 48)
@@ -328,7 +328,7 @@ def test_a_prefix_computed_in_steps_on_the_cpu_matches_one_computed_whole(demo, 
 
 
 def test_the_tail_is_what_most_rows_share_and_pays_for_its_copy():
-    from batchrun.engine.text import best_tail
+    from batchrun.engine.backends.text import best_tail
 
     preamble = list(range(100, 124))
     rows = [preamble + [i, 7] for i in range(20)]

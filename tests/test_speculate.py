@@ -13,11 +13,11 @@ from helpers import choice_logprob, jsonl, run, write_rows
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from batchrun.cache import block_layout, make_prefix_cache
-from batchrun.engine import speculate
+from batchrun.engine.decoding import speculate
+from batchrun.engine.decoding.speculate import Speculator, ngram_proposal, rollback
 from batchrun.engine.engine import Engine
+from batchrun.engine.kernels.shared_prefix import SharedPrefix, SharedPrefixBatchCache
 from batchrun.engine.request import DEFAULT_DRAFT_TOKENS, Constraint, EngineConfig, SamplingParams
-from batchrun.engine.shared_prefix import SharedPrefix, SharedPrefixBatchCache
-from batchrun.engine.speculate import Speculator, ngram_proposal, rollback
 from batchrun.models import DEMO_DRAFT_MODEL, DEMO_MODEL, load_model
 from tools.demo_models import lessons
 
@@ -295,7 +295,7 @@ def test_n_gram_steps_verify_only_as_many_positions_as_the_longest_guess(pair, m
                                                                           longest):
     """A step where no row finds its last tokens earlier (the start of an answer) costs one
     forward of the pending tokens, as a plain step does, not k + 1 positions a row."""
-    from batchrun.engine import batch
+    from batchrun.engine.backends import batch
 
     found = batch.ngram_proposal
     monkeypatch.setattr(batch, "ngram_proposal", lambda context, k: found(context, k)[:longest])
@@ -365,7 +365,7 @@ def test_rows_joining_or_leaving_while_a_verification_runs_ahead_keep_their_toke
     """A speculative step starts the next one's verification before it returns; rows that
     join the batch, leave it (aborted) or are read in between undo it first, and every row's
     tokens stay plain decoding's."""
-    from batchrun.engine.batch import LeanGenerationBatch
+    from batchrun.engine.backends.batch import LeanGenerationBatch
 
     undone, finished = [], []
     cancel, finish = LeanGenerationBatch._cancel_ahead, LeanGenerationBatch._finish
@@ -486,7 +486,7 @@ def test_rows_holding_copies_of_cached_blocks_speculate_to_the_same_tokens(pair,
                                                                             monkeypatch):
     """--no-shared-prefix, with decode steps taking row ranges (the CUDA path, here through its
     reference): the rolled-back guesses leave each row's copied blocks and own tokens intact."""
-    from batchrun.engine import decode_attention
+    from batchrun.engine.kernels import decode_attention
 
     system = "You answer questions about science in plain words. " * 12
     prompts = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
@@ -896,8 +896,8 @@ def test_a_verifications_adjustments_are_each_positions_plain_call_bit_for_bit(d
     (bias added, end and stop ids barred before min_tokens), whatever the row's count so far,
     the offset, rows without adjustments among them (or none: then no rows are picked out and
     put back), or a token named twice in a bias."""
-    from batchrun.engine.batch import LeanGenerationBatch
-    from batchrun.engine.sampling import LogitAdjustments
+    from batchrun.engine.backends.batch import LeanGenerationBatch
+    from batchrun.engine.decoding.sampling import LogitAdjustments
 
     vocab, positions, eos = 50, 5, 3
     rows = [SamplingParams(max_tokens=40, min_tokens=6),
@@ -1000,7 +1000,7 @@ def test_adjustments_barring_every_position_or_none_are_each_positions_plain_cal
     """Where every row's guessed positions all come before its min_tokens (or all after), the
     adjustments take a shortcut; each position's logits must still be exactly what the row's
     own call there gives."""
-    from batchrun.engine.sampling import LogitAdjustments, RowAdjustments
+    from batchrun.engine.decoding.sampling import LogitAdjustments, RowAdjustments
 
     vocab, positions, eos = 40, 4, 2
     rows = [SamplingParams(max_tokens=60, min_tokens=20, logit_bias=((5, 1.5),)),

@@ -4,8 +4,8 @@ always get exactly the tokens of their whole text."""
 import copy
 from types import SimpleNamespace
 
-from batchrun.engine.prompt import PromptBuilder
-from batchrun.engine.tokens import DIRECT_CHECKS, Encoder, SharedStarts
+from batchrun.engine.backends.prompt import PromptBuilder
+from batchrun.engine.backends.tokens import DIRECT_CHECKS, Encoder, SharedStarts
 
 SYSTEM = "You label reviews. " + " ".join(f"Example {i}: good kettle -> positive."
                                          for i in range(60))

@@ -16,7 +16,7 @@ from PIL import Image
 
 from batchrun.cli import cli
 from batchrun.engine.request import EngineConfig, SamplingParams
-from batchrun.engine.vision import VisionEngine
+from batchrun.engine.vision_engine import VisionEngine
 from batchrun.io.media import ImageCache, image_parts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,7 +147,7 @@ def test_same_text_different_images_are_never_confused(tmp_path):
 
 
 def test_bad_media_is_a_row_error_and_the_job_goes_on(tmp_path, monkeypatch):
-    import batchrun.engine.vision as vision
+    import batchrun.engine.backends.vision as vision
 
     monkeypatch.setattr(vision, "MAX_IMAGES_PER_ROW", 3)
     good = tmp_path / "good.png"
@@ -225,7 +225,7 @@ def test_job_file_describes_the_sample_images(tmp_path):
 
 
 def test_stop_strings_and_constraints_on_image_rows(vlm):
-    from batchrun.engine.constrain import Constraint
+    from batchrun.engine.decoding.constrain import Constraint
 
     free = engine(vlm, 1)
     add(free, CHATS[0], SamplingParams(max_tokens=12))
@@ -245,7 +245,7 @@ def test_stop_strings_and_constraints_on_image_rows(vlm):
 
 
 def test_image_rows_choice_probs_come_from_their_own_image(vlm):
-    from batchrun.engine.constrain import Constraint
+    from batchrun.engine.decoding.constrain import Constraint
 
     params = SamplingParams(max_tokens=4, constraint=Constraint.choices(["red", "blue", "dark"]))
     eng = engine(vlm, 4)

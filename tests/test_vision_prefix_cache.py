@@ -12,8 +12,9 @@ from helpers import jsonl, run, write_rows
 from PIL import Image
 
 from batchrun.cache.prefix import block_keys
+from batchrun.engine.backends.vision import image_starts
 from batchrun.engine.request import EngineConfig, SamplingParams
-from batchrun.engine.vision import VisionEngine, image_starts
+from batchrun.engine.vision_engine import VisionEngine
 from batchrun.io.media import ImageCache, image_parts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,7 +212,7 @@ def test_an_aborted_waiting_row_leaves_nothing_behind(vlm, twins):
 
 
 def test_image_inputs_without_placement_never_share_a_picture():
-    from batchrun.engine.vision import VisionInputs
+    from batchrun.engine.backends.vision import VisionInputs
 
     pixels = mx.zeros((1,))
     two = VisionInputs([1, 9, 9, 2], pixels, digests=("a", "b"))

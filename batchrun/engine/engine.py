@@ -26,15 +26,16 @@ from typing import Any
 import mlx.core as mx
 
 from batchrun.cache.prefix import Block, PrefixCache
-from batchrun.engine import host_attention
-from batchrun.engine.backend import Backend
+from batchrun.engine.backends.base import Backend
 from batchrun.engine.cache_control import CacheControl
-from batchrun.engine.choices import answer_choice
-from batchrun.engine.constrain import ConstraintError, Grammars, choice_token_ids
+from batchrun.engine.decoding.choices import answer_choice
+from batchrun.engine.decoding.constrain import ConstraintError, Grammars, choice_token_ids
+from batchrun.engine.decoding.reasoning import Markup, ThinkingBudget, ThinkingGate
+from batchrun.engine.generate import Requests
+from batchrun.engine.kernels import host_attention
 from batchrun.engine.memory import MemoryBudget, kv_budget, measure_kv
 from batchrun.engine.postprocess import Step, StopScanner, make_output, record_logprobs
 from batchrun.engine.prefix_plan import PrefixNeeded, PrefixPlanner
-from batchrun.engine.reasoning import Markup, ThinkingBudget, ThinkingGate
 from batchrun.engine.request import (
     EngineConfig,
     EngineStats,
@@ -43,7 +44,6 @@ from batchrun.engine.request import (
     SamplingParams,
     device_defaults,
 )
-from batchrun.engine.requests import Requests
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence, Status
 
@@ -61,14 +61,14 @@ class Engine(Requests, CacheControl):
     """Add requests, call `step()` until `has_work()` is false; each step returns finished ones.
 
     `Engine(model, tokenizer, ...)` serves a text model (mlx-lm); pass `backend` for another
-    (vision.py's VisionEngine does)."""
+    (vision_engine.py's VisionEngine does)."""
 
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None,
                  context_length: int | None = None, model_path: str = "",
                  prefix_cache: PrefixCache | None = None, model_fingerprint: str = "",
                  backend: Backend | None = None):
         if backend is None:
-            from batchrun.engine.text import TextBackend
+            from batchrun.engine.backends.text import TextBackend
 
             backend = TextBackend(model, tokenizer)
         self.backend = backend
@@ -109,8 +109,8 @@ class Engine(Requests, CacheControl):
         if not hasattr(backend, "speculate"):
             log.warning("speculative decoding serves text models; this one decodes without it")
             return None
-        from batchrun.engine.speculate import DraftModel, Speculator
-        from batchrun.engine.text import vocab_size
+        from batchrun.engine.backends.text import vocab_size
+        from batchrun.engine.decoding.speculate import DraftModel, Speculator
 
         draft = None
         if method == "draft":

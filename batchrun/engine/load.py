@@ -17,7 +17,7 @@ def load_engine(model: str | None, config: EngineConfig, vision: bool | None = N
     if vision is None:
         vision = is_vision_config(read_config(resolve(model)))
     if vision:  # image processors may use PyTorch
-        from batchrun.engine.vision import VisionEngine
+        from batchrun.engine.vision_engine import VisionEngine
 
         return VisionEngine.load(model, config)
     from batchrun.engine.engine import Engine

@@ -9,7 +9,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from batchrun.engine.constrain import Constraint
+from batchrun.engine.decoding.constrain import Constraint
 
 
 class FinishReason(enum.StrEnum):
@@ -47,7 +47,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     # A thinking model's reasoning block ends after at most this many tokens (None: unbounded);
-    # a constraint applies to the answer after it (engine/reasoning.py).
+    # a constraint applies to the answer after it (engine/decoding/reasoning.py).
     max_thinking_tokens: int | None = None
     # The row asked its template for a reasoning block (enable_thinking: True): a constrained
     # answer may reason first, and the constraint applies after the block; False: a raw prompt,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchrun.cache.prefix import Media
-from batchrun.engine.constrain import GrammarProcessor
+from batchrun.engine.decoding.constrain import GrammarProcessor
 from batchrun.engine.request import SamplingParams
 
 

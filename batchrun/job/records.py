@@ -14,8 +14,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 
-from batchrun.engine.choices import normalized
-from batchrun.engine.reasoning import Markup, ToolCall, parse_tool_calls, split_reasoning
+from batchrun.engine.decoding.choices import normalized
+from batchrun.engine.decoding.reasoning import Markup, ToolCall, parse_tool_calls, split_reasoning
 from batchrun.engine.request import Output
 from batchrun.job.rows import RowError, Task
 

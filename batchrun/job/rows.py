@@ -27,8 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from batchrun.engine.constrain import Constraint, ConstraintError, response_format_constraint
-from batchrun.engine.prompt import PromptBuilder, PromptError
+from batchrun.engine.backends.prompt import PromptBuilder, PromptError
+from batchrun.engine.decoding.constrain import (
+    Constraint,
+    ConstraintError,
+    response_format_constraint,
+)
 from batchrun.engine.request import SamplingParams
 from batchrun.io.jsonl import RawRow
 from batchrun.job.limits import RowLimits
@@ -89,7 +93,7 @@ class Task:
     openai: str | None = None  # "chat" or "completion" for OpenAI batch rows
     model: str | None = None  # the `body.model` of an OpenAI batch row
     n: int = 1  # samples; sample i > 0 samples with a seed derived from the row's (sample_params)
-    vision: Any = None  # engine.vision.VisionInputs for a row with images (a vision model)
+    vision: Any = None  # engine.backends.vision.VisionInputs for a row with images (a vision model)
     tools: list | None = None  # the tools the row offered (its tool calls are parsed)
     chat: bool = True  # a chat-templated prompt (a raw `prompt` is not): reasoning is parsed
     # A digest of the prompt's tokens and images (JobRunner._build_task, in a feeder thread):

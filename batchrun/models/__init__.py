@@ -201,7 +201,7 @@ def load_vision_model(model: str) -> LoadedModel:
 def load_model(model: str | None) -> LoadedModel:
     from mlx_lm.utils import load
 
-    from batchrun.engine import first_use
+    from batchrun.engine.kernels import first_use
 
     path = local_path(model)
     beside = first_use.start(path)  # on a GPU: the first use of its kernels while this loads

@@ -220,7 +220,7 @@ def weather_calls_known(engine) -> list[str]:
     Oslo)."""
     import json
 
-    from batchrun.engine.reasoning import parse_tool_calls
+    from batchrun.engine.decoding.reasoning import parse_tool_calls
     from batchrun.engine.request import SamplingParams
 
     tools = [lessons.WEATHER_TOOL]

@@ -18,15 +18,13 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from batchrun.cache.prefix import Block, PrefixCache
-from batchrun.engine import decode_attention, host_attention, prefix_attention
-from batchrun.engine.batch import LeanGenerationBatch, LeanPromptBatch
-from batchrun.engine.nvrtc import compile_ahead
-from batchrun.engine.postprocess import Step
-from batchrun.engine.prompt import PromptBuilder
-from batchrun.engine.request import EngineConfig, SamplingParams
-from batchrun.engine.sampling import LogitAdjustments, make_sampler
-from batchrun.engine.sequence import Sequence
-from batchrun.engine.shared_prefix import (
+from batchrun.engine.backends.batch import LeanGenerationBatch, LeanPromptBatch
+from batchrun.engine.backends.prompt import PromptBuilder
+from batchrun.engine.backends.tokens import common_length
+from batchrun.engine.decoding.sampling import LogitAdjustments, make_sampler
+from batchrun.engine.kernels import decode_attention, host_attention, prefix_attention
+from batchrun.engine.kernels.nvrtc import compile_ahead
+from batchrun.engine.kernels.shared_prefix import (
     CopiedCache,
     PrefixedCache,
     SharedPrefix,
@@ -34,7 +32,9 @@ from batchrun.engine.shared_prefix import (
     attention_shape,
     install,
 )
-from batchrun.engine.tokens import common_length
+from batchrun.engine.postprocess import Step
+from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.engine.sequence import Sequence
 
 log = logging.getLogger("batchrun")
 SHARED_PREFIXES_KEPT = 8  # distinct shared prefixes kept for rows still to come

@@ -31,7 +31,7 @@ from functools import cache
 
 import mlx.core as mx
 
-from batchrun.engine.nvrtc import NvrtcError, compile_ptx, wait_ahead
+from batchrun.engine.kernels.nvrtc import NvrtcError, compile_ptx, wait_ahead
 
 log = logging.getLogger("batchrun")
 

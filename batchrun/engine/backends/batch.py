@@ -31,9 +31,9 @@ import numpy as np
 from mlx_lm.generate import GenerationBatch, PromptProcessingBatch, _extend_cache
 from mlx_lm.models.cache import TokenBuffer
 
-from batchrun.engine.constrain import GrammarProcessor
-from batchrun.engine.sampling import LogitAdjustments, RowAdjustments, greedy
-from batchrun.engine.speculate import Speculator, ngram_proposal, rollback
+from batchrun.engine.decoding.constrain import GrammarProcessor
+from batchrun.engine.decoding.sampling import LogitAdjustments, RowAdjustments, greedy
+from batchrun.engine.decoding.speculate import Speculator, ngram_proposal, rollback
 
 
 def _matrix(logprobs) -> mx.array | None:

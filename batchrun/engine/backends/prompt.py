@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchrun.engine.tokens import Encoder, SharedStarts
+from batchrun.engine.backends.tokens import Encoder, SharedStarts
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 

@@ -38,7 +38,6 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from batchrun.cache.prefix import Block, Media, PrefixCache
-from batchrun.engine.engine import Engine
 from batchrun.engine.postprocess import Step
 from batchrun.engine.request import EngineConfig, SamplingParams
 from batchrun.engine.sequence import Sequence
@@ -84,7 +83,7 @@ class VisionPrompts:
     def render(self, messages: list[dict], tools: list | None = None,
                chat_template_kwargs: dict | None = None) -> str:
         """The chat as text; image parts become the template's image placeholders."""
-        from batchrun.engine.prompt import PromptError
+        from batchrun.engine.backends.prompt import PromptError
 
         parts_messages = []
         for m in messages:
@@ -215,7 +214,7 @@ class VisionBackend:
         self._gen = None
 
     def start(self, max_concurrency: int, config: EngineConfig) -> None:
-        from batchrun.engine.vision_batch import WarmStartBatchGenerator
+        from batchrun.engine.backends.vision_batch import WarmStartBatchGenerator
 
         self.close()
         self._sampled.clear()
@@ -265,7 +264,7 @@ class VisionBackend:
         row runs from its whole prompt (`seq.cached` is then 0)."""
         from mlx_vlm.models.cache import KVCache
 
-        from batchrun.engine.vision_batch import cut
+        from batchrun.engine.backends.vision_batch import cut
 
         rest = cut(kwargs, seq.cached) if self.warm_starts else None
         if rest is None and self.warm_starts:
@@ -331,7 +330,7 @@ class VisionBackend:
         leaves the running rows unchanged."""
         from mlx_lm.models.cache import make_prompt_cache
 
-        from batchrun.engine.choices import log_softmax
+        from batchrun.engine.decoding.choices import log_softmax
 
         kwargs = self._choice_kwargs.pop(step.uid)
         cache = make_prompt_cache(self.kv_model)
@@ -344,7 +343,7 @@ class VisionBackend:
         `blocks`; each layer's (keys, values) over all of them."""
         from mlx_vlm.models.cache import KVCache, make_prompt_cache
 
-        from batchrun.engine.vision_batch import cut
+        from batchrun.engine.backends.vision_batch import cut
 
         if not self.warm_starts:
             raise ValueError("this model's rows run without the prefix cache")
@@ -417,29 +416,6 @@ class _LogitsOnly:
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
         out = self.model(inputs, cache=cache)
         return getattr(out, "logits", out)
-
-
-class VisionEngine(Engine):
-    """The engine (engine.py) over the vision backend: `add_vision` for rows with images,
-    `add_tokens` / `add_request` for text-only rows."""
-
-    def __init__(self, model: Any, processor: Any, config: EngineConfig | None = None,
-                 context_length: int | None = None, model_path: str = "",
-                 model_fingerprint: str = ""):
-        self.processor = processor
-        super().__init__(model, None, config, context_length, model_path,
-                         model_fingerprint=model_fingerprint,
-                         backend=VisionBackend(model, processor))
-
-    @staticmethod
-    def _load_model(model: str | None):
-        from batchrun.models import load_vision_model
-
-        return load_vision_model(model)
-
-    def add_vision(self, inputs: VisionInputs, params: SamplingParams) -> int:
-        """A request from a processor's output (VisionPrompts.prepare)."""
-        return self.add_tokens(inputs.input_ids, params, inputs)
 
 
 def _eos_ids(tokenizer: Any, model: Any) -> list[int]:

@@ -27,9 +27,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from batchrun.engine import decode_attention, host_attention, prefix_attention
-from batchrun.engine.decode_attention import attend, ranged_attention
-from batchrun.engine.host_attention import softmax_attend
+from batchrun.engine.kernels import decode_attention, host_attention, prefix_attention
+from batchrun.engine.kernels.decode_attention import attend, ranged_attention
+from batchrun.engine.kernels.host_attention import softmax_attend
 
 log = logging.getLogger("batchrun")
 # Scores of the prefix part are materialized: row chunks keep them under this many elements.

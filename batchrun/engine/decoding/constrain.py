@@ -23,7 +23,7 @@ import llguidance.numpy as llg_numpy
 import mlx.core as mx
 import numpy as np
 
-from batchrun.engine.reasoning import ThinkingGate
+from batchrun.engine.decoding.reasoning import ThinkingGate
 
 # Compact JSON, no free whitespace: a weak model cannot wander off into blank space.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

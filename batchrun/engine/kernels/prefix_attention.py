@@ -33,8 +33,8 @@ from functools import cache
 
 import mlx.core as mx
 
-from batchrun.engine.decode_attention import _as_float32, attend, on_cuda
-from batchrun.engine.nvrtc import NvrtcError, compile_ptx, wait_ahead
+from batchrun.engine.kernels.decode_attention import _as_float32, attend, on_cuda
+from batchrun.engine.kernels.nvrtc import NvrtcError, compile_ptx, wait_ahead
 
 log = logging.getLogger("batchrun")
 
