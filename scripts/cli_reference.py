@@ -17,7 +17,7 @@ from pathlib import Path
 import click
 from click.testing import CliRunner
 
-from batchrun.cli import cli
+from batchrun.cli import RUN_BUNDLES, cli
 
 WIDTH = 100
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
@@ -55,7 +55,24 @@ def reference() -> str:
     for path in commands(cli):
         title = " ".join(("batchrun", *path))
         parts.append(f"\n## `{title}`\n\n```\n{help_text(path)}```\n")
+        if path == ("run",):
+            parts.append(run_option_groups())
     return "".join(parts)
+
+
+def run_option_groups() -> str:
+    """`run`'s option groups (batchrun.cli.RUN_BUNDLES, as --help lists them) as a table of the
+    `batchrun.Job` keyword arguments each group holds."""
+    rows = []
+    for bundle in RUN_BUNDLES:
+        api = [f"`{name}`" for name in bundle.names if name not in bundle.cli_only]
+        only = [f"`{name}`" for name in bundle.names if name in bundle.cli_only]
+        rows.append(f"| {bundle.heading} | {', '.join(api)}"
+                    + (f"; command line only: {', '.join(only)}" if only else "") + " |")
+    return ("\n### Option groups and `batchrun.Job` keywords\n\n"
+            "Each option of `batchrun run` sets the [Python API](python-api.md)'s keyword of "
+            "the same name\n(`--max-tokens` sets `max_tokens`, `--ray` sets `ray_address`):\n\n"
+            "| group | keywords |\n|---|---|\n" + "\n".join(rows) + "\n")
 
 
 def main() -> int:
