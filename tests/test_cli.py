@@ -127,6 +127,42 @@ def test_the_command_line_starts_without_loading_mlx():
     assert out.strip() == "[]"
 
 
+@pytest.mark.parametrize("args", [["--help"], ["run", "--help"]])
+def test_help_imports_no_model_stack(args):
+    """`batchrun --help` and `batchrun run --help` print their help without importing MLX,
+    numpy, Arrow, Pillow, the grammar engine or transformers (what makes a start slow)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from batchrun.cli import cli\n"
+            f"try:\n    cli({args!r})\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+            "heavy = {'mlx', 'mlx_lm', 'mlx_vlm', 'numpy', 'pyarrow', 'PIL', 'llguidance', "
+            "'transformers', 'torch'}\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & heavy))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert "Usage: " in out
+    assert out.splitlines()[-1] == "[]"
+
+
+def test_run_options_come_in_bundles_that_match_the_python_api():
+    """Every option of `run` is in one bundle, listed under its heading in --help, and every
+    bundled name but the command line's own is a `batchrun.Job` keyword (RunOptions field)."""
+    import dataclasses
+
+    from batchrun.api import RunOptions
+    from batchrun.cli import RUN_BUNDLES
+
+    names = [n for bundle in RUN_BUNDLES for n in bundle.names]
+    params = [p.name for p in cli.commands["run"].params if p.name != "input_path"]
+    assert sorted(names) == sorted(params) and len(set(names)) == len(names)
+    cli_only = {n for bundle in RUN_BUNDLES for n in bundle.cli_only}
+    assert set(names) - cli_only == {f.name for f in dataclasses.fields(RunOptions)}
+    text = CliRunner().invoke(cli, ["run", "--help"], terminal_width=100).output
+    at = [text.index(f"\n{bundle.heading}:\n") for bundle in RUN_BUNDLES]
+    assert at == sorted(at) and text.index("\nExamples:\n") > at[-1]
+
+
 def test_fail_on_row_errors_exits_3_after_every_row_has_its_record(tmp_path):
     from helpers import jsonl as read_jsonl
     from helpers import run as run_cli
