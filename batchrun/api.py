@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from batchrun.engine.config import EngineConfig
 from batchrun.engine.load import load_engine
-from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.engine.types import SamplingParams
 from batchrun.io.files import fsync_folder
 from batchrun.models import MissingExtra  # re-exported: the CLI catches it
 
@@ -163,10 +164,10 @@ class Job:
 
     def check(self) -> None:
         """Refuse, before the model loads, an output or job folder this job may not use
-        (JobError / JobConflict from batchrun.job.runner): another process running it, a job
+        (JobError / JobConflict from batchrun.job.errors): another process running it, a job
         folder holding a different job (saying what differs), files that are not this job's.
         Rows from stdin are spooled into the job folder here."""
-        from batchrun.job.runner import check_paths
+        from batchrun.job.spec import check_paths
 
         if self.from_stdin and not self._stdin_taken:
             self._take_stdin()
@@ -192,7 +193,7 @@ class Job:
         """An output that is a link (or not a file) is said as such, before it could read as a
         different job's output (job.json compares outputs as resolved places)."""
         from batchrun.job import ownership
-        from batchrun.job.runner import JobConflict
+        from batchrun.job.errors import JobConflict
 
         spec = self.spec
         try:
@@ -204,8 +205,8 @@ class Job:
             raise JobConflict(str(e)) from None
 
     def _refuse_if_running(self) -> None:
+        from batchrun.job.errors import JobError
         from batchrun.job.listing import running_pid
-        from batchrun.job.runner import JobError
         from batchrun.job.state import DamagedFile
 
         try:
@@ -219,8 +220,9 @@ class Job:
     def _refuse_another_job(self) -> None:
         """The job folder's job.json against this job (input, options and, fingerprinted
         without loading it, the model), in words."""
+        from batchrun.job.errors import JobConflict
         from batchrun.job.ownership import OutputConflict
-        from batchrun.job.runner import JobConflict, saved_manifest
+        from batchrun.job.spec import saved_manifest
 
         spec = self.spec
         old = saved_manifest(spec.job_dir)
@@ -254,7 +256,8 @@ class Job:
         from batchrun.io.readers import spool
         from batchrun.job import manifest as mf
         from batchrun.job import ownership
-        from batchrun.job.runner import JobConflict, JobError, saved_manifest
+        from batchrun.job.errors import JobConflict, JobError
+        from batchrun.job.spec import saved_manifest
 
         spec = self.spec
         target = spec.input
@@ -357,7 +360,7 @@ class Job:
 
     def run(self) -> dict:
         """Process every pending row; returns report.json's content. Raises
-        batchrun.job.runner.Interrupted after Ctrl-C (progress kept)."""
+        batchrun.job.errors.Interrupted after Ctrl-C (progress kept)."""
         self.prepare()
         try:
             self.report = self.runner.run()
@@ -684,10 +687,14 @@ def _input_path(input_path: Path, o: RunOptions) -> Path:
 def _plan(input_path: Path, o: RunOptions):
     """The job's spec, engine config, constraint and where its sampling defaults come from
     (UsageError if an option is bad)."""
-    from batchrun.engine.request import SamplingParams
+    # The job's code loads with its spec, the engine and mlx-lm with it, before any check:
+    # mlx-lm raises the open-file limit as it loads, so a limit too low is said first, and as
+    # such (the command line's one line for it).
+    import batchrun.job.runner  # noqa: F401
+    from batchrun.engine.types import SamplingParams
     from batchrun.job.limits import parse_limits
     from batchrun.job.rows import RowOptions
-    from batchrun.job.runner import JobSpec, default_job_dir
+    from batchrun.job.spec import JobSpec, default_job_dir
     from batchrun.paths import default_cache_dir
 
     from_stdin = str(input_path) == STDIN
@@ -790,7 +797,7 @@ IMAGE_COLUMN_NEEDS_VISION = ("--image-column needs a vision model (pass --model 
 def _constraint(o: RunOptions, limits: RowLimits):
     """The job-wide constraint from json_schema, choices or regex (at most one), checked to
     compile as far as it can be without the model's tokenizer."""
-    from batchrun.engine.decoding.constrain import Constraint, ConstraintError
+    from batchrun.engine.types import Constraint, ConstraintError
     from batchrun.job.rows import RowRejected, check_choices
 
     given = [f"--{name.replace('_', '-')}" for name in ("json_schema", "choices", "regex")
@@ -865,7 +872,7 @@ def _local_runner(job: Job):
     elif o.image_column:
         raise UsageError(IMAGE_COLUMN_NEEDS_VISION)
     if job.constraint is not None:
-        from batchrun.engine.decoding.constrain import ConstraintError
+        from batchrun.engine.types import ConstraintError
 
         try:
             engine.check_constraint(job.constraint)

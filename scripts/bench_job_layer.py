@@ -25,9 +25,11 @@ import resource, sys, time
 from pathlib import Path
 import batchrun
 from batchrun.engine.engine import Engine
-from batchrun.engine.request import EngineConfig, FinishReason, Output, SamplingParams
+from batchrun.engine.config import EngineConfig
+from batchrun.engine.types import FinishReason, Output, SamplingParams
 from batchrun.job.rows import RowOptions
-from batchrun.job.runner import JobRunner, JobSpec
+from batchrun.job.runner import JobRunner
+from batchrun.job.spec import JobSpec
 
 class NullEngine(Engine):
     '''The real engine's bookkeeping with no model call: every request gets one token at once.'''

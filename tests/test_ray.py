@@ -19,11 +19,12 @@ import ray
 from click.testing import CliRunner
 
 from batchrun.cli import cli
-from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.engine.config import EngineConfig
+from batchrun.engine.types import SamplingParams
 from batchrun.job import ray_local
 from batchrun.job.distributed import RayJobRunner, RayOptions
 from batchrun.job.rows import RowOptions
-from batchrun.job.runner import JobSpec
+from batchrun.job.spec import JobSpec
 from batchrun.models import model_fingerprint, resolve
 
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}

@@ -35,16 +35,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchrun.engine.request import EngineConfig, EngineStats, SpeculationStats
+from batchrun.engine.config import EngineConfig
+from batchrun.engine.stats import EngineStats, SpeculationStats
 from batchrun.io.jsonl import RawRow
+from batchrun.job.errors import JobError
 from batchrun.job.rows import RowError, is_openai_line, read_error
-from batchrun.job.runner import (
-    COMMIT_INTERVAL_S,
-    JobError,
-    JobRunner,
-    JobSpec,
-    RowWork,
-)
+from batchrun.job.runner import COMMIT_INTERVAL_S, JobRunner, RowWork
+from batchrun.job.spec import JobSpec
 from batchrun.models import extra_hint
 
 SLICE_ROWS = 64  # rows per slice
@@ -274,7 +271,7 @@ class RayJobRunner(JobRunner):
     def __init__(self, spec: JobSpec, model: str | None, model_name: str, model_path: str,
                  fingerprint: str, config: EngineConfig, device: str, ray_options: RayOptions,
                  vision: bool = False, on_result=None):
-        from batchrun.engine.request import DEVICE_DEFAULTS
+        from batchrun.engine.config import DEVICE_DEFAULTS
 
         per_actor = config.max_concurrency or DEVICE_DEFAULTS["cpu"][0]
         view = _StatsView(max_concurrency=per_actor * ray_options.actors,

@@ -19,7 +19,7 @@ from pathlib import Path
 from batchrun.job import manifest as mf
 from batchrun.job.state import DamagedFile, JobState, Progress, read_json
 
-DEFAULT_JOBS_DIR = Path("jobs")  # where job folders go by default (runner.default_job_dir)
+DEFAULT_JOBS_DIR = Path("jobs")  # where job folders go by default (spec.default_job_dir)
 # report.json's counts that state.json's replace.
 COUNTED = {"rows_done": "rows_done", "rows_failed": "rows_failed",
            "prompt_tokens": "prompt_tokens", "cached_prompt_tokens": "cached_tokens",

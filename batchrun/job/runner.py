@@ -12,13 +12,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import os
 import signal
 import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,14 +24,15 @@ import orjson
 from tqdm import tqdm
 
 from batchrun.engine.engine import Engine
-from batchrun.engine.request import FinishReason, Output
+from batchrun.engine.types import FinishReason, Output
 from batchrun.io.jsonl import InputError, RawRow
 from batchrun.io.parquet_output import ParquetOutput
-from batchrun.io.readers import count_rows, read_rows
+from batchrun.io.readers import read_rows
 from batchrun.job import manifest as mf
 from batchrun.job import ownership
 from batchrun.job import report as rp
 from batchrun.job.committer import BackgroundCommits
+from batchrun.job.errors import Interrupted, JobConflict, JobError
 from batchrun.job.feeder import Feeder
 from batchrun.job.records import error_record, result_record
 from batchrun.job.recovery import recover
@@ -48,6 +47,7 @@ from batchrun.job.rows import (
     row_id,
 )
 from batchrun.job.sink import OrderedSink, PendingCommit, Record, make_durable
+from batchrun.job.spec import JobSpec, check_paths, check_same_job, saved_manifest
 from batchrun.job.state import DamagedFile, JobLock, JobState, Progress
 
 log = logging.getLogger("batchrun")
@@ -62,176 +62,11 @@ PROGRESS_INTERVAL_S = 0.5
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 DONE_CACHE_SIZE = 4096  # recent outputs kept for identical rows further down the input
 # Threads that build rows, text and image rows alike. Tokenization keeps the GIL
-# (engine/tokens.py's Encoder), so more threads only contend for it with the job loop and the
-# warm-up: warm 512-row labeling jobs on the H200 took 0.846-1.111 s (median 0.984) with one
-# and 0.891-1.171 s (1.009) with eight (benchmarks/history/BENCHMARKS-2026-12.md).
+# (engine/backends/tokens.py's Encoder), so more threads only contend for it with the job loop
+# and the warm-up: warm 512-row labeling jobs on the H200 took 0.846-1.111 s (median 0.984)
+# with one and 0.891-1.171 s (1.009) with eight (benchmarks/history/BENCHMARKS-2026-12.md).
 BUILD_WORKERS = 1
 HASH_PIECE = 2032  # bytes hashlib hashes holding the GIL (it lets go from 2,048 on)
-
-
-class JobError(Exception):
-    """A fatal problem with the job as a whole (exit 1); the message says what to do."""
-
-    exit_code = 1
-
-
-class JobConflict(JobError):
-    """The command asks for something that would mix or overwrite jobs' data (exit 2)."""
-
-    exit_code = 2
-
-
-class Interrupted(Exception):
-    """Ctrl-C, SIGTERM or SIGHUP: progress was committed; the job can be resumed."""
-
-    def __init__(self, signum: int = signal.SIGINT):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-@dataclass(slots=True)
-class JobSpec:
-    input: Path
-    job_dir: Path
-    output: Path
-    model: str | None
-    rows: RowOptions
-    restart: bool = False
-    quiet: bool = False
-    _input_fingerprint: dict | None = None
-    _rows_total: int | None = None
-
-    @property
-    def input_fingerprint(self) -> dict:
-        """The input's size and hash (computed once: the file may be large)."""
-        if self._input_fingerprint is None:
-            self._input_fingerprint = mf.input_fingerprint(self.input)
-        return self._input_fingerprint
-
-    @property
-    def rows_total(self) -> int:
-        """How many rows the input holds (counted once); JobError if it is damaged or empty."""
-        if self._rows_total is None:
-            try:
-                self._rows_total = count_rows(self.input, self.rows.limits.row_bytes)
-            except InputError as e:
-                raise JobError(str(e)) from None
-            if self._rows_total == 0:
-                raise JobError(f"{self.input} has no rows")
-        return self._rows_total
-
-    @property
-    def parquet_output(self) -> bool:
-        return self.output.suffix.lower() == ".parquet"
-
-    @property
-    def results_path(self) -> Path:
-        """Where ordered results are appended: the output itself, or a JSONL beside it."""
-        return self.job_dir / "results.jsonl" if self.parquet_output else self.output
-
-    @property
-    def errors_path(self) -> Path:
-        return self.job_dir / "errors.jsonl"
-
-    def options(self) -> dict:
-        """The options that change outputs: a resumed job must use the same ones."""
-        r = self.rows
-        sampling = dataclasses.asdict(r.defaults)
-        # Added later, and recorded only when set, so that older job folders still match.
-        del sampling["thinking"]  # a row's own request, never the job's
-        if sampling["max_thinking_tokens"] is None:
-            del sampling["max_thinking_tokens"]
-        options = {"sampling": sampling, "system": r.system,
-                   "prompt_template": r.prompt_template, "id_column": r.id_column, "n": r.n,
-                   "image_column": r.image_column,
-                   "output": _relative_output(self.output, self.job_dir)}
-        if r.served_model_names:
-            options["served_model_names"] = list(r.served_model_names)
-        if r.expected_column:  # the records carry its values, the report counts against them
-            options["expected_column"] = r.expected_column
-        return orjson.loads(orjson.dumps(options))  # as job.json stores it (tuples are lists)
-
-
-def saved_manifest(job_dir: Path) -> dict | None:
-    """The job folder's job.json, or None for a new job; JobError if it is damaged."""
-    try:
-        return mf.saved_manifest(job_dir)
-    except DamagedFile as e:
-        raise JobError(str(e)) from None
-
-
-def check_paths(spec: JobSpec) -> None:
-    """Refuse, before any work (the model is not loaded yet), an output this job may not
-    write, a folder that may not be its job folder (job/ownership.py), job files that are not
-    regular files, and a job folder that holds another input or options."""
-    spec.rows_total  # noqa: B018  (a damaged or empty input is said before the model loads)
-    manifest = saved_manifest(spec.job_dir)
-    try:
-        ownership.check_output_file(spec.output)  # before anything resolves it
-        ownership.check_job_dir(spec.job_dir, manifest is not None)
-        owned = manifest is not None and _saved_output(manifest, spec.job_dir) == \
-            ownership.full(spec.output)
-        ownership.check(spec.output, spec.input, spec.job_dir, owned)
-    except ownership.OutputConflict as e:
-        raise JobConflict(str(e)) from None
-    # Files the job appends to must be plain files; state.json is only ever replaced whole
-    # (whatever stands there, unless a folder).
-    appended = [spec.errors_path, spec.job_dir / "spill.jsonl", spec.job_dir / "lock"]
-    if spec.parquet_output:
-        appended.append(spec.results_path)
-    state = spec.job_dir / "state.json"
-    try:
-        for path in appended:
-            ownership.check_job_file(path)
-        if state.is_dir() and not state.is_symlink():
-            ownership.check_job_file(state)
-    except ownership.OutputConflict as e:
-        raise JobError(str(e)) from None
-    try:
-        for path in (spec.results_path, spec.errors_path):
-            ownership.check_records_file(path)
-    except ownership.OutputConflict as e:
-        raise JobConflict(str(e)) from None
-    if manifest is not None and not spec.restart:
-        check_same_job(spec, manifest, {"input": spec.input_fingerprint,
-                                        "options": spec.options()})
-
-
-def _relative_output(output: Path, job_dir: Path) -> str:
-    """The output as job.json compares it: relative to the job folder, so that a job folder
-    moved with its output inside it is still the same job."""
-    return os.path.relpath(ownership.full(output), ownership.full(job_dir))
-
-
-def _saved_output(manifest: dict, job_dir: Path) -> Path | None:
-    saved = manifest["options"].get("output")
-    if not isinstance(saved, str):
-        return None
-    return ownership.full(Path(job_dir) / saved)  # an older job.json's absolute path stays
-
-
-def check_same_job(spec: JobSpec, old: dict, new: dict) -> None:
-    saved = _saved_output(old, spec.job_dir)
-    if saved is not None:  # compared as a place, whether job.json wrote it relative or not
-        old = {**old, "options": {**old["options"],
-                                  "output": _relative_output(saved, spec.job_dir)}}
-    changed = mf.differences(old, new)
-    if changed:
-        raise JobConflict(f"{spec.job_dir} holds a different job: " + "; ".join(changed)
-                          + f".\n  Pass another --job-dir to keep both, or move {spec.job_dir} "
-                          "away to discard its progress.")
-
-
-def default_job_dir(input_path: Path) -> Path:
-    return Path("jobs") / input_stem(input_path)
-
-
-def input_stem(path: Path) -> str:
-    name = path.name
-    for suffix in (".jsonl.gz", ".jsonl", ".parquet", ".toml", ".json"):
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
-    return path.stem
 
 
 class RowWork:

@@ -58,7 +58,7 @@ def record_figures(job_dir: Path, output: str) -> dict:
 
 
 def record_paths(job_dir: Path, manifest: dict, output: str) -> tuple[Path, Path]:
-    """The ordered results and errors files, where runner.JobSpec puts them: a JSONL output is
+    """The ordered results and errors files, where spec.JobSpec puts them: a JSONL output is
     the results file, a Parquet output keeps its records in the job folder. job.json's output
     is relative to the job folder (it follows a moved folder), `output` is the fallback."""
     saved = manifest.get("options", {}).get("output")
