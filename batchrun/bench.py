@@ -17,8 +17,9 @@ import mlx.core as mx
 from batchrun.cache import make_prefix_cache
 from batchrun.cache.layout import block_layout
 from batchrun.engine.backends.tokens import common_length
+from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
-from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.engine.types import SamplingParams
 from batchrun.models import LoadedModel, load_model
 from batchrun.models.random_model import SHAPES, build, corpus
 

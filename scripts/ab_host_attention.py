@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_speculate as bench  # noqa: E402  (imports batchrun first: BLAS routing)
 
 from batchrun.engine.kernels import host_attention  # noqa: E402
-from batchrun.engine.request import SamplingParams  # noqa: E402
+from batchrun.engine.types import SamplingParams  # noqa: E402
 from batchrun.models import DEMO_MODEL, load_model  # noqa: E402
 
 WORKLOADS = {**bench.WORKLOADS, "prefill": (DEMO_MODEL, lambda: bench.extraction(64),

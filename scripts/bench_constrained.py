@@ -23,9 +23,10 @@ import batchrun  # noqa: F401  (routes MLX to OpenBLAS: must come before mlx.cor
 import mlx.core as mx
 
 from batchrun import bench as b
+from batchrun.engine.config import EngineConfig
 from batchrun.engine.decoding.constrain import Constraint
 from batchrun.engine.engine import Engine
-from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.engine.types import SamplingParams
 
 SCHEMA = {"type": "object", "properties": {
     "label": {"enum": ["positive", "negative", "neutral"]},

@@ -27,9 +27,10 @@ import batchrun  # noqa: F401
 import mlx.core as mx
 
 import batchrun.engine.backends.text as text_module
+from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.kernels import decode_attention
-from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.engine.types import SamplingParams
 from batchrun.models import load_model
 from batchrun.models.random_model import build
 

@@ -23,8 +23,9 @@ import batchrun  # noqa: F401  (routes MLX to OpenBLAS: must come before mlx.cor
 from batchrun.bench import model_for
 from batchrun.cache import make_prefix_cache
 from batchrun.cache.disk import default_cache_dir
+from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
-from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.engine.types import SamplingParams
 from batchrun.models.random_model import review
 
 CONCURRENCY = 64

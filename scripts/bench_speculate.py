@@ -42,9 +42,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import batchrun  # noqa: E402, F401  (BLAS routing before MLX)
+from batchrun.engine.config import EngineConfig  # noqa: E402
 from batchrun.engine.decoding import speculate  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
-from batchrun.engine.request import EngineConfig, SamplingParams  # noqa: E402
+from batchrun.engine.types import SamplingParams  # noqa: E402
 from batchrun.models import (  # noqa: E402
     DEMO_DRAFT_MODEL,
     DEMO_MODEL,

@@ -19,7 +19,8 @@ import batchrun  # noqa: F401  (routes MLX to OpenBLAS: must come before mlx.cor
 import mlx_vlm
 
 from batchrun.bench import machine
-from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.engine.config import EngineConfig
+from batchrun.engine.types import SamplingParams
 from batchrun.engine.vision_engine import VisionEngine
 from batchrun.io.media import ImageCache
 

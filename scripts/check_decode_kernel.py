@@ -84,8 +84,9 @@ def correctness() -> list[dict]:
 
 
 def greedy(model_dir: str) -> list[dict]:
+    from batchrun.engine.config import EngineConfig
     from batchrun.engine.engine import Engine
-    from batchrun.engine.request import EngineConfig, SamplingParams
+    from batchrun.engine.types import SamplingParams
     from batchrun.models import load_model
 
     results = []

@@ -163,8 +163,9 @@ def timing(what: str, rows: int, width: int, length: int, kv_heads=8, D=64, reps
 
 def greedy(model_dir: str) -> dict:
     from batchrun.cache import block_layout, make_prefix_cache
+    from batchrun.engine.config import EngineConfig
     from batchrun.engine.engine import Engine
-    from batchrun.engine.request import EngineConfig, SamplingParams
+    from batchrun.engine.types import SamplingParams
     from batchrun.models import load_model
 
     lm = load_model(model_dir)

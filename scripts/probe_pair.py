@@ -24,8 +24,9 @@ import orjson  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
 
 from batchrun.cli import cli  # noqa: E402
+from batchrun.engine.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
-from batchrun.engine.request import EngineConfig, SamplingParams  # noqa: E402
+from batchrun.engine.types import SamplingParams  # noqa: E402
 from batchrun.models import REPO_ROOT, load_model, random_model  # noqa: E402
 from tools.demo_models import lessons, train  # noqa: E402
 

@@ -18,8 +18,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_speculate import essays, extraction, questions  # noqa: E402
 
 import batchrun  # noqa: E402, F401  (BLAS routing before MLX)
+from batchrun.engine.config import EngineConfig  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
-from batchrun.engine.request import EngineConfig, SamplingParams  # noqa: E402
+from batchrun.engine.types import SamplingParams  # noqa: E402
 from batchrun.models import DEMO_DRAFT_MODEL, DEMO_MODEL, load_model  # noqa: E402
 
 

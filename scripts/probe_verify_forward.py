@@ -27,9 +27,10 @@ import mlx.core as mx  # noqa: E402
 from bench_speculate import extraction  # noqa: E402
 from mlx.utils import tree_map  # noqa: E402
 
+from batchrun.engine.config import EngineConfig  # noqa: E402
 from batchrun.engine.decoding.speculate import DraftModel, rollback  # noqa: E402
 from batchrun.engine.engine import Engine  # noqa: E402
-from batchrun.engine.request import EngineConfig, SamplingParams  # noqa: E402
+from batchrun.engine.types import SamplingParams  # noqa: E402
 from batchrun.models import DEMO_DRAFT_MODEL, DEMO_MODEL, load_model  # noqa: E402
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import batchrun
-from batchrun.engine.request import FinishReason, SamplingParams
+from batchrun.engine.types import FinishReason, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,9 @@ from batchrun.cache.disk import FORMAT, DiskCache
 from batchrun.cache.layout import DTYPES, BlockLayout
 from batchrun.cache.prefix import Block, block_keys
 from batchrun.cli import cli
+from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
-from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.engine.types import SamplingParams
 
 FP = "ab" * 32
 LAYOUT = BlockLayout(layers=2, kv_heads=2, head_dim=4, dtype="BF16")

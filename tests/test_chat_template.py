@@ -3,8 +3,9 @@
 import pytest
 
 from batchrun.engine.backends.prompt import PromptBuilder, PromptError
+from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
-from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.engine.types import SamplingParams
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather",

@@ -9,10 +9,11 @@ import pytest
 from mlx_lm.models.base import create_causal_mask
 from test_shared_prefix import FIRST, SECOND, rows, run
 
+from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.kernels import decode_attention as da
 from batchrun.engine.kernels.nvrtc import NvrtcError
-from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.engine.types import SamplingParams
 
 
 def inputs(rows=5, heads=8, kv_heads=2, length=300, D=64, seed=0):

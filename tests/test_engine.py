@@ -4,8 +4,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import batch_generate, generate_step
 
+from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
-from batchrun.engine.request import EngineConfig, FinishReason, SamplingParams
+from batchrun.engine.types import FinishReason, SamplingParams
 
 PROMPTS = [
     "Explain recursion",

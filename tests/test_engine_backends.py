@@ -7,8 +7,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
-from batchrun.engine.request import EngineConfig, FinishReason, SamplingParams
+from batchrun.engine.types import FinishReason, SamplingParams
 from batchrun.engine.vision_engine import VisionEngine
 from batchrun.models import load_vision_model
 

@@ -3,8 +3,9 @@ and running out of memory lowers the concurrency."""
 
 import mlx.core as mx
 
+from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
-from batchrun.engine.request import EngineConfig, FinishReason, SamplingParams
+from batchrun.engine.types import FinishReason, SamplingParams
 
 PROMPTS = [f"Review {i}: the kettle is sturdy and quiet" for i in range(9)]
 

@@ -9,9 +9,10 @@ import threading
 import mlx.core as mx
 import pytest
 
+from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.kernels import first_use
-from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.engine.types import SamplingParams
 from batchrun.models import DEMO_MODEL, load_model
 
 

@@ -10,7 +10,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from test_speculate import generate, tokens
 
 from batchrun.engine.kernels import host_attention as ha
-from batchrun.engine.request import SamplingParams
+from batchrun.engine.types import SamplingParams
 from batchrun.models import DEMO_MODEL, load_model
 from tools.demo_models import lessons
 
@@ -166,9 +166,9 @@ def test_a_choices_rows_scoring_goes_through_it_to_the_same_answer(pair, monkeyp
     """Every forward of an engine step takes it, a choices row's scoring of its multi-token
     choices (after the batch's step) too: the same answers and choice log-probabilities."""
     from batchrun.engine import engine as engine_module
+    from batchrun.engine.config import EngineConfig
     from batchrun.engine.decoding.constrain import Constraint
     from batchrun.engine.engine import Engine
-    from batchrun.engine.request import EngineConfig
 
     choices = ["positive", "negative", "neutral", "mixed feelings"]
     scoring, calls = [False], []

@@ -141,7 +141,7 @@ def test_identical_rows_are_computed_once_but_each_gets_its_result(tmp_path):
 def test_requests_are_identical_only_when_every_sampling_field_is():
     import dataclasses
 
-    from batchrun.engine.request import SamplingParams
+    from batchrun.engine.types import SamplingParams
     from batchrun.job.runner import _payload_key
 
     base = SamplingParams(max_tokens=8)

@@ -15,8 +15,9 @@ from batchrun.cache.disk import DiskCache
 from batchrun.cache.layout import BlockLayout
 from batchrun.cache.prefix import Block, KeyMemo, PrefixCache, block_keys
 from batchrun.cli import cli
+from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
-from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.engine.types import SamplingParams
 
 INSTRUCTION = ("You label product reviews as positive, negative or neutral. "
                + " ".join(f"Example {i}: the kettle is sturdy and quiet, so it is positive."

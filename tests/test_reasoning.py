@@ -13,7 +13,7 @@ from openai.types.chat import ChatCompletion
 from batchrun.engine.decoding.constrain import Constraint
 from batchrun.engine.decoding.reasoning import Markup, parse_tool_calls, split_reasoning
 from batchrun.engine.engine import Engine
-from batchrun.engine.request import FinishReason, Output
+from batchrun.engine.types import FinishReason, Output
 from batchrun.job.records import result_record
 from batchrun.job.rows import RowError, RowOptions, Task, build_task
 
@@ -157,7 +157,7 @@ def test_a_constraint_applies_after_the_reasoning_which_its_budget_ends(demo, tm
 
 
 def test_a_thinking_budget_ends_the_block_of_a_free_row(demo):
-    from batchrun.engine.request import SamplingParams
+    from batchrun.engine.types import SamplingParams
 
     out = demo.generate([[{"role": "user", "content": "Hi"}]], SamplingParams(
         max_tokens=6, logit_bias=((771, 100.0),), max_thinking_tokens=2))[0]

@@ -12,7 +12,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from batchrun.engine.request import EngineStats
+from batchrun.engine.stats import EngineStats
 from batchrun.job import report as rp
 from batchrun.job.state import Progress
 from tests.helpers import jsonl, run, write_rows

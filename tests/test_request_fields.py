@@ -8,7 +8,7 @@ from helpers import jsonl, run, write_rows
 
 from batchrun.engine.decoding.sampling import LogitAdjustments
 from batchrun.engine.engine import Engine
-from batchrun.engine.request import SamplingParams
+from batchrun.engine.types import SamplingParams
 
 PROMPT = "Review: the kettle is fine"
 

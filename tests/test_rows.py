@@ -3,7 +3,7 @@
 import pytest
 
 from batchrun.engine.backends.prompt import PromptBuilder
-from batchrun.engine.request import FinishReason, Output, SamplingParams
+from batchrun.engine.types import FinishReason, Output, SamplingParams
 from batchrun.io.jsonl import read_jsonl
 from batchrun.job.rows import RowError, RowOptions, Task, build_task
 from batchrun.job.sink import OrderedSink, Record

@@ -8,6 +8,7 @@ import mlx.core as mx
 import pytest
 
 from batchrun.cache import block_layout, make_prefix_cache
+from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.kernels import shared_prefix
 from batchrun.engine.kernels.shared_prefix import (
@@ -16,7 +17,7 @@ from batchrun.engine.kernels.shared_prefix import (
     SharedPrefixBatchCache,
     attention_with_prefix,
 )
-from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.engine.types import SamplingParams
 
 FIRST = "You label product reviews as positive, negative or neutral. " + " ".join(
     f"Example {i}: the kettle is sturdy and quiet, so it is positive." for i in range(14))

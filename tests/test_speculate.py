@@ -13,11 +13,13 @@ from helpers import choice_logprob, jsonl, run, write_rows
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 from batchrun.cache import block_layout, make_prefix_cache
+from batchrun.engine.config import DEFAULT_DRAFT_TOKENS, EngineConfig
 from batchrun.engine.decoding import speculate
+from batchrun.engine.decoding.constrain import Constraint
 from batchrun.engine.decoding.speculate import Speculator, ngram_proposal, rollback
 from batchrun.engine.engine import Engine
 from batchrun.engine.kernels.shared_prefix import SharedPrefix, SharedPrefixBatchCache
-from batchrun.engine.request import DEFAULT_DRAFT_TOKENS, Constraint, EngineConfig, SamplingParams
+from batchrun.engine.types import SamplingParams
 from batchrun.models import DEMO_DRAFT_MODEL, DEMO_MODEL, load_model
 from tools.demo_models import lessons
 
@@ -678,7 +680,7 @@ def test_the_guesses_a_step_default_alike_everywhere():
 
     from batchrun import api
     from batchrun.cli import cli
-    from batchrun.engine.request import (
+    from batchrun.engine.config import (
         DEFAULT_DRAFT_MODEL_TOKENS_GPU,
         DEFAULT_NGRAM_TOKENS_GPU,
         default_draft_tokens,

@@ -233,8 +233,8 @@ def test_the_trained_demo_writes_its_essays_and_quotes_its_references(trained):
     it answers with the reference's own sentences. A retrain that forgets them fails here (the
     committed pair: 26 of 26 essays, 39 of 39 references; the same recipe from seed 5 got 6
     essays)."""
+    from batchrun.engine.config import EngineConfig
     from batchrun.engine.engine import Engine
-    from batchrun.engine.request import EngineConfig
 
     engine = Engine(trained.model, trained.tokenizer, EngineConfig(prefix_cache=False),
                     trained.context_length)

@@ -15,7 +15,8 @@ from helpers import jsonl, run, write_rows
 from PIL import Image
 
 from batchrun.cli import cli
-from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.engine.config import EngineConfig
+from batchrun.engine.types import SamplingParams
 from batchrun.engine.vision_engine import VisionEngine
 from batchrun.io.media import ImageCache, image_parts
 

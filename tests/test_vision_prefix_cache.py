@@ -13,7 +13,8 @@ from PIL import Image
 
 from batchrun.cache.prefix import block_keys
 from batchrun.engine.backends.vision import image_starts
-from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.engine.config import EngineConfig
+from batchrun.engine.types import SamplingParams
 from batchrun.engine.vision_engine import VisionEngine
 from batchrun.io.media import ImageCache, image_parts
 

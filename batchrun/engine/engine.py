@@ -28,6 +28,7 @@ import mlx.core as mx
 from batchrun.cache.prefix import Block, PrefixCache
 from batchrun.engine.backends.base import Backend
 from batchrun.engine.cache_control import CacheControl
+from batchrun.engine.config import EngineConfig, device_defaults
 from batchrun.engine.decoding.choices import answer_choice
 from batchrun.engine.decoding.constrain import ConstraintError, Grammars, choice_token_ids
 from batchrun.engine.decoding.reasoning import Markup, ThinkingBudget, ThinkingGate
@@ -36,16 +37,10 @@ from batchrun.engine.kernels import host_attention
 from batchrun.engine.memory import MemoryBudget, kv_budget, measure_kv
 from batchrun.engine.postprocess import Step, StopScanner, make_output, record_logprobs
 from batchrun.engine.prefix_plan import PrefixNeeded, PrefixPlanner
-from batchrun.engine.request import (
-    EngineConfig,
-    EngineStats,
-    FinishReason,
-    Output,
-    SamplingParams,
-    device_defaults,
-)
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence, Status
+from batchrun.engine.stats import EngineStats
+from batchrun.engine.types import FinishReason, Output, SamplingParams
 
 log = logging.getLogger("batchrun")
 

@@ -3,7 +3,7 @@ messages; run to the end; generate a list of prompts in one call."""
 
 from __future__ import annotations
 
-from batchrun.engine.request import Output, SamplingParams
+from batchrun.engine.types import Output, SamplingParams
 
 
 class Requests:

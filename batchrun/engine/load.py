@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from batchrun.engine.request import EngineConfig
+from batchrun.engine.config import EngineConfig
 
 
 def load_engine(model: str | None, config: EngineConfig, vision: bool | None = None) -> Any:

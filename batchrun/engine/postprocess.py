@@ -12,8 +12,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from batchrun.engine.request import FinishReason, Output
 from batchrun.engine.sequence import Sequence
+from batchrun.engine.types import FinishReason, Output
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 from batchrun.cache.prefix import Media
 from batchrun.engine.decoding.constrain import GrammarProcessor
-from batchrun.engine.request import SamplingParams
+from batchrun.engine.types import SamplingParams
 
 
 class Status(enum.Enum):

@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from batchrun.engine.backends.vision import VisionBackend, VisionInputs
+from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
-from batchrun.engine.request import EngineConfig, SamplingParams
+from batchrun.engine.types import SamplingParams
 
 
 class VisionEngine(Engine):

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from batchrun.engine.decoding.choices import normalized
 from batchrun.engine.decoding.reasoning import Markup, ToolCall, parse_tool_calls, split_reasoning
-from batchrun.engine.request import Output
+from batchrun.engine.types import Output
 from batchrun.job.rows import RowError, Task
 
 TokenBytes = Callable[[int], bytes]  # a token id's bytes in the model's vocabulary

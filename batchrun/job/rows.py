@@ -33,7 +33,7 @@ from batchrun.engine.decoding.constrain import (
     ConstraintError,
     response_format_constraint,
 )
-from batchrun.engine.request import SamplingParams
+from batchrun.engine.types import SamplingParams
 from batchrun.io.jsonl import RawRow
 from batchrun.job.limits import RowLimits
 

@@ -181,7 +181,7 @@ def labeling_accuracy(folder: Path, rows: int = 200, seed: int = 12345) -> float
     """Greedy answers of the model in `folder` to the sample labeling prompt for held-out
     reviews (their own seed), against the reviews' sentiment."""
     from batchrun.engine.engine import Engine
-    from batchrun.engine.request import SamplingParams
+    from batchrun.engine.types import SamplingParams
 
     engine = Engine.load(str(folder), prefix_cache=False)
     rng = random.Random(seed)
@@ -198,7 +198,7 @@ def long_answers_known(engine) -> tuple[int, int, int, int]:
     """What a pair trained with `long_answers` learned, greedily through `engine`: (essays
     written right to 256 tokens, essays asked, reference answers quoted word for word,
     reference questions asked). The demo's test and scripts/probe_pair.py both count so."""
-    from batchrun.engine.request import SamplingParams
+    from batchrun.engine.types import SamplingParams
 
     topics = [(task, t) for task in lessons.ESSAY_TASKS for t in random_model.TOPICS]
     outs = engine.generate([[{"role": "user", "content": task.format(t=t)}]
@@ -221,7 +221,7 @@ def weather_calls_known(engine) -> list[str]:
     import json
 
     from batchrun.engine.decoding.reasoning import parse_tool_calls
-    from batchrun.engine.request import SamplingParams
+    from batchrun.engine.types import SamplingParams
 
     tools = [lessons.WEATHER_TOOL]
     ids = [engine.add_request(messages=[{"role": "user",

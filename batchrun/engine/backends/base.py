@@ -10,9 +10,10 @@ from collections.abc import Iterable
 from typing import Any, Protocol
 
 from batchrun.cache.prefix import Block
+from batchrun.engine.config import EngineConfig
 from batchrun.engine.postprocess import Step
-from batchrun.engine.request import EngineConfig, SamplingParams
 from batchrun.engine.sequence import Sequence
+from batchrun.engine.types import SamplingParams
 
 
 class Backend(Protocol):

@@ -21,6 +21,7 @@ from batchrun.cache.prefix import Block, PrefixCache
 from batchrun.engine.backends.batch import LeanGenerationBatch, LeanPromptBatch
 from batchrun.engine.backends.prompt import PromptBuilder
 from batchrun.engine.backends.tokens import common_length
+from batchrun.engine.config import EngineConfig
 from batchrun.engine.decoding.sampling import LogitAdjustments, make_sampler
 from batchrun.engine.kernels import decode_attention, host_attention, prefix_attention
 from batchrun.engine.kernels.nvrtc import compile_ahead
@@ -33,8 +34,8 @@ from batchrun.engine.kernels.shared_prefix import (
     install,
 )
 from batchrun.engine.postprocess import Step
-from batchrun.engine.request import EngineConfig, SamplingParams
 from batchrun.engine.sequence import Sequence
+from batchrun.engine.types import SamplingParams
 
 log = logging.getLogger("batchrun")
 SHARED_PREFIXES_KEPT = 8  # distinct shared prefixes kept for rows still to come

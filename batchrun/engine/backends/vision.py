@@ -38,9 +38,10 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from batchrun.cache.prefix import Block, Media, PrefixCache
+from batchrun.engine.config import EngineConfig
 from batchrun.engine.postprocess import Step
-from batchrun.engine.request import EngineConfig, SamplingParams
 from batchrun.engine.sequence import Sequence
+from batchrun.engine.types import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # SamplingParams' bound; mlx-vlm computes one k for the whole batch
 FEATURE_CACHE_SIZE = 256  # images whose vision features are kept (an LRU)

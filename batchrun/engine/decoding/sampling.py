@@ -10,7 +10,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from batchrun.engine.request import SamplingParams
+from batchrun.engine.types import SamplingParams
 
 
 def greedy(logprobs: mx.array) -> mx.array:

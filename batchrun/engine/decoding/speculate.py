@@ -40,7 +40,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-from batchrun.engine.request import DEFAULT_DRAFT_TOKENS, SpeculationStats
+from batchrun.engine.config import DEFAULT_DRAFT_TOKENS
+from batchrun.engine.stats import SpeculationStats
 
 log = logging.getLogger("batchrun")
 

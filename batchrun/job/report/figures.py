@@ -43,7 +43,7 @@ from pathlib import Path
 import orjson
 
 import batchrun
-from batchrun.engine.request import EngineStats
+from batchrun.engine.stats import EngineStats
 from batchrun.job.listing import run_problem
 from batchrun.job.report.html import render_html
 from batchrun.job.report.tally import record_figures
