@@ -797,7 +797,7 @@ IMAGE_COLUMN_NEEDS_VISION = ("--image-column needs a vision model (pass --model 
 def _constraint(o: RunOptions, limits: RowLimits):
     """The job-wide constraint from json_schema, choices or regex (at most one), checked to
     compile as far as it can be without the model's tokenizer."""
-    from batchrun.engine.decoding.constrain import Constraint, ConstraintError
+    from batchrun.engine.types import Constraint, ConstraintError
     from batchrun.job.rows import RowRejected, check_choices
 
     given = [f"--{name.replace('_', '-')}" for name in ("json_schema", "choices", "regex")
@@ -872,7 +872,7 @@ def _local_runner(job: Job):
     elif o.image_column:
         raise UsageError(IMAGE_COLUMN_NEEDS_VISION)
     if job.constraint is not None:
-        from batchrun.engine.decoding.constrain import ConstraintError
+        from batchrun.engine.types import ConstraintError
 
         try:
             engine.check_constraint(job.constraint)

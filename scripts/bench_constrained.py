@@ -24,9 +24,8 @@ import mlx.core as mx
 
 from batchrun import bench as b
 from batchrun.engine.config import EngineConfig
-from batchrun.engine.decoding.constrain import Constraint
 from batchrun.engine.engine import Engine
-from batchrun.engine.types import SamplingParams
+from batchrun.engine.types import Constraint, SamplingParams
 
 SCHEMA = {"type": "object", "properties": {
     "label": {"enum": ["positive", "negative", "neutral"]},

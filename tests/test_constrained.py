@@ -15,9 +15,8 @@ from helpers import choice_logprob, jsonl, run, write_rows
 
 from batchrun.cli import cli
 from batchrun.engine.config import EngineConfig
-from batchrun.engine.decoding.constrain import Constraint
 from batchrun.engine.engine import Engine
-from batchrun.engine.types import SamplingParams
+from batchrun.engine.types import Constraint, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = {

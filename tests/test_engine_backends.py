@@ -194,7 +194,7 @@ def test_sampled_rows_report_the_models_logprobs(make):
 
 
 def test_choices_rows_get_choice_probs_and_leave_other_rows_unchanged(make):
-    from batchrun.engine.decoding.constrain import Constraint
+    from batchrun.engine.types import Constraint
 
     choices = Constraint.choices(["positive", "negative", "neutral"])
     plain = make().generate(PROMPTS, SamplingParams(max_tokens=6))

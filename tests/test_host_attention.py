@@ -167,8 +167,8 @@ def test_a_choices_rows_scoring_goes_through_it_to_the_same_answer(pair, monkeyp
     choices (after the batch's step) too: the same answers and choice log-probabilities."""
     from batchrun.engine import engine as engine_module
     from batchrun.engine.config import EngineConfig
-    from batchrun.engine.decoding.constrain import Constraint
     from batchrun.engine.engine import Engine
+    from batchrun.engine.types import Constraint
 
     choices = ["positive", "negative", "neutral", "mixed feelings"]
     scoring, calls = [False], []

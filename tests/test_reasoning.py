@@ -10,10 +10,9 @@ from helpers import jsonl, run, write_rows
 from mlx_lm.tool_parsers import mistral
 from openai.types.chat import ChatCompletion
 
-from batchrun.engine.decoding.constrain import Constraint
 from batchrun.engine.decoding.reasoning import Markup, parse_tool_calls, split_reasoning
 from batchrun.engine.engine import Engine
-from batchrun.engine.types import FinishReason, Output
+from batchrun.engine.types import Constraint, FinishReason, Output
 from batchrun.job.records import result_record
 from batchrun.job.rows import RowError, RowOptions, Task, build_task
 

@@ -15,11 +15,10 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from batchrun.cache import block_layout, make_prefix_cache
 from batchrun.engine.config import DEFAULT_DRAFT_TOKENS, EngineConfig
 from batchrun.engine.decoding import speculate
-from batchrun.engine.decoding.constrain import Constraint
 from batchrun.engine.decoding.speculate import Speculator, ngram_proposal, rollback
 from batchrun.engine.engine import Engine
 from batchrun.engine.kernels.shared_prefix import SharedPrefix, SharedPrefixBatchCache
-from batchrun.engine.types import SamplingParams
+from batchrun.engine.types import Constraint, SamplingParams
 from batchrun.models import DEMO_DRAFT_MODEL, DEMO_MODEL, load_model
 from tools.demo_models import lessons
 

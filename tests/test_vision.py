@@ -226,7 +226,7 @@ def test_job_file_describes_the_sample_images(tmp_path):
 
 
 def test_stop_strings_and_constraints_on_image_rows(vlm):
-    from batchrun.engine.decoding.constrain import Constraint
+    from batchrun.engine.types import Constraint
 
     free = engine(vlm, 1)
     add(free, CHATS[0], SamplingParams(max_tokens=12))
@@ -246,7 +246,7 @@ def test_stop_strings_and_constraints_on_image_rows(vlm):
 
 
 def test_image_rows_choice_probs_come_from_their_own_image(vlm):
-    from batchrun.engine.decoding.constrain import Constraint
+    from batchrun.engine.types import Constraint
 
     params = SamplingParams(max_tokens=4, constraint=Constraint.choices(["red", "blue", "dark"]))
     eng = engine(vlm, 4)

@@ -30,7 +30,7 @@ from batchrun.engine.backends.base import Backend
 from batchrun.engine.cache_control import CacheControl
 from batchrun.engine.config import EngineConfig, device_defaults
 from batchrun.engine.decoding.choices import answer_choice
-from batchrun.engine.decoding.constrain import ConstraintError, Grammars, choice_token_ids
+from batchrun.engine.decoding.constrain import Grammars, choice_token_ids
 from batchrun.engine.decoding.reasoning import Markup, ThinkingBudget, ThinkingGate
 from batchrun.engine.generate import Requests
 from batchrun.engine.kernels import host_attention
@@ -40,7 +40,7 @@ from batchrun.engine.prefix_plan import PrefixNeeded, PrefixPlanner
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence, Status
 from batchrun.engine.stats import EngineStats
-from batchrun.engine.types import FinishReason, Output, SamplingParams
+from batchrun.engine.types import ConstraintError, FinishReason, Output, SamplingParams
 
 log = logging.getLogger("batchrun")
 

@@ -1,15 +1,18 @@
-"""Requests, sampling parameters and finished outputs: the engine's vocabulary.
+"""Requests' sampling parameters, constraints and finished outputs: the engine's vocabulary.
 
 The engine speaks token ids and integer request ids; row ids, files and reports live above it.
+This module is the engine's ground floor: it imports nothing from the engine.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
-from batchrun.engine.decoding.constrain import Constraint
+import llguidance
 
 
 class FinishReason(enum.StrEnum):
@@ -36,7 +39,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
-    # The answer must match this (JSON schema, regex, choices); see constrain.py.
+    # The answer must match this (JSON schema, regex, choices): Constraint, below.
     constraint: Constraint | None = None
     # OpenAI's penalties (generated tokens), vLLM's repetition penalty (prompt and generated
     # tokens; 1 is none), additive logit bias per token id, and a floor under the answer's
@@ -136,153 +139,64 @@ class Output:
         return len(self.token_ids)
 
 
-# Guesses a row: 6 on a CPU, where a wider verification costs more than it gains; on a GPU, where
-# a guess is cheap, 12 for prompt lookup and 8 for a draft (BENCHMARKS.md, Speculative decoding).
-DEFAULT_DRAFT_TOKENS = 6
-DEFAULT_NGRAM_TOKENS_GPU = 12
-DEFAULT_DRAFT_MODEL_TOKENS_GPU = 8
+# Compact JSON, no free whitespace: a weak model cannot wander off into blank space.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def default_draft_tokens(method: str, gpu: bool | None = None) -> int:
-    """The guesses a row for `method` on the default device (`gpu`: whether it is a GPU)."""
-    if gpu is None:
-        import mlx.core as mx
-
-        gpu = mx.default_device() != mx.cpu
-    if not gpu:
-        return DEFAULT_DRAFT_TOKENS
-    return DEFAULT_NGRAM_TOKENS_GPU if method == "ngram" else DEFAULT_DRAFT_MODEL_TOKENS_GPU
+class ConstraintError(ValueError):
+    """A schema, regex or choice list that cannot be compiled; the message says why."""
 
 
-@dataclass(slots=True)
-class EngineConfig:
-    """Scheduling and memory knobs."""
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a row's answer must match. `kind`: json_schema, json_object, regex or choices."""
 
-    max_concurrency: int | None = None  # None: as many as memory allows, capped by the device
-    # Rows joining the batch per prefill: at most prefill_batch_size of them (None: no cap but
-    # the next), their uncached prompt tokens, padded to the longest, at most prefill_tokens
-    # (None: chosen from the device, see device_defaults).
-    prefill_batch_size: int | None = None
-    prefill_tokens: int | None = None
-    prefill_step_size: int = 2048
-    # Fraction of device memory (RAM on CPU) that weights + KV caches may use.
-    memory_utilization: float = 0.85
-    # An absolute KV-cache budget in bytes; overrides memory_utilization when set.
-    kv_budget_bytes: int | None = None
-    # Prefix cache: on by default; its memory share of the KV budget; its disk folder
-    # (None: no disk). Blocks are prefix_block_size tokens.
-    prefix_cache: bool = True
-    prefix_cache_fraction: float = 0.2
-    prefix_block_size: int = 64
-    cache_dir: str | None = None
-    # Rows starting with the same cached prefix attend one shared copy of its KV (False: each
-    # row holds its own copy, as before; kept for side-by-side benchmarks).
-    shared_prefix: bool = True
-    # Speculative decoding where the batch is narrow (speculate.py): "off", "ngram" (prompt
-    # lookup) or "draft" (draft_model, a model sharing the tokenizer); draft_tokens guesses a
-    # row a step (None: default_draft_tokens for the method and the default device).
-    speculate: str = "off"
-    draft_model: str | None = None
-    draft_tokens: int | None = None
+    kind: str
+    value: str | tuple[str, ...] = ""  # the schema as JSON text, the regex, or the choices
 
-    def __post_init__(self) -> None:
-        _check(self.max_concurrency is None or self.max_concurrency >= 1, "max_concurrency",
-               self.max_concurrency, "an integer >= 1")
-        _check(self.prefill_batch_size is None or self.prefill_batch_size >= 1,
-               "prefill_batch_size", self.prefill_batch_size, ">= 1")
-        _check(self.prefill_tokens is None or self.prefill_tokens >= 1, "prefill_tokens",
-               self.prefill_tokens, ">= 1")
-        _check(self.prefill_step_size >= 1, "prefill_step_size", self.prefill_step_size, ">= 1")
-        _check(0 < self.memory_utilization <= 1, "memory_utilization", self.memory_utilization,
-               "in (0, 1]")
-        _check(self.speculate in ("off", "ngram", "draft"), "speculate", self.speculate,
-               'one of "off", "ngram", "draft"')
-        _check(self.speculate != "draft" or bool(self.draft_model), "draft_model",
-               self.draft_model, "a model (speculate is draft)")
-        if self.draft_tokens is None:
-            self.draft_tokens = default_draft_tokens(self.speculate)
-        _check(isinstance(self.draft_tokens, int) and 1 <= self.draft_tokens <= 16,
-               "draft_tokens", self.draft_tokens, "an integer in [1, 16]")
+    @classmethod
+    def json_schema(cls, schema: Any) -> Constraint:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ConstraintError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise ConstraintError("a JSON schema must be an object")
+        return cls("json_schema", json.dumps(schema, sort_keys=True))
 
+    @classmethod
+    def choices(cls, choices: Any) -> Constraint:
+        if (not isinstance(choices, (list, tuple)) or not choices
+                or not all(isinstance(c, str) and c for c in choices)):
+            raise ConstraintError("choices must be a non-empty list of non-empty strings")
+        if len(set(choices)) != len(choices):
+            raise ConstraintError(f"choices must be distinct, got {list(choices)!r}")
+        return cls("choices", tuple(choices))
 
-# (concurrency cap, prefill token budget) by device. Measured: on this 2-core CPU a prefill of
-# ~2k padded tokens (8 rows of the mixed workload, or 64 labeling rows past a cached prefix);
-# on the H200, 1B model, up to 1,024 rows decoding gave 2.3x the throughput of the CPU's
-# settings, and prefills of 256 rows of 128 tokens four times fewer than a job's whole first
-# 1,024 rows cost it ~1 s of its 6 (benchmarks/history/BENCHMARKS-2026-12.md). A GPU's prefill
-# budget comes from its memory and the model (memory.prefill_token_budget).
-DEVICE_DEFAULTS = {"cpu": (256, 2048), "gpu": (1024, None)}
+    @classmethod
+    def regex(cls, pattern: Any) -> Constraint:
+        if not isinstance(pattern, str) or not pattern:
+            raise ConstraintError("a regex must be a non-empty string")
+        return cls("regex", pattern)
 
+    def grammar(self) -> str:
+        """The llguidance grammar for this constraint."""
+        if self.kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(self.value,
+                                                                 defaults=JSON_OPTIONS)
+        if self.kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
+                                                                 defaults=JSON_OPTIONS)
+        if self.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(self.value)
+        if self.kind == "choices":
+            alternatives = " | ".join(json.dumps(c) for c in self.value)
+            return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+        raise ConstraintError(f"unknown constraint kind {self.kind!r}")
 
-def device_defaults(model=None) -> tuple[int, int]:
-    """(concurrency cap, prefill token budget) for the default device and this model."""
-    import mlx.core as mx
-
-    from batchrun.engine.memory import prefill_token_budget
-
-    cap, tokens = DEVICE_DEFAULTS["cpu" if mx.default_device() == mx.cpu else "gpu"]
-    return cap, tokens or prefill_token_budget(model)
-
-
-@dataclass(slots=True)
-class SpeculationStats:
-    """Speculative decoding's account (speculate.py)."""
-
-    steps: int = 0  # verification forwards
-    proposed: int = 0  # tokens proposed
-    accepted: int = 0  # of them, kept: the tokens gained over one a row a step
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """What the engine did; timings in seconds, memory in bytes."""
-
-    requests_finished: int = 0
-    prompt_tokens: int = 0  # tokens of admitted prompts, cached ones included
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    # Wall time of the steps that ran prompt work (they decode the running rows too), and of
-    # the steps that only decoded, with the tokens those made.
-    prefill_time: float = 0.0
-    decode_time: float = 0.0
-    decode_tokens: int = 0
-    decode_steps: int = 0
-    batch_size_sum: int = 0  # sum over decode steps of the running batch size
-    peak_memory_bytes: int = 0
-    ttfts: list[float] = field(default_factory=list)
-    # (seconds since start, prompt tokens, completion tokens, running sequences), sampled.
-    timeline: list[tuple[float, int, int, int]] = field(default_factory=list)
-    speculation: SpeculationStats = field(default_factory=SpeculationStats)
-
-    def record_step(self, prompt_work: bool, decoded: int, seconds: float,
-                    peak_memory: int, rows: int | None = None) -> None:
-        """One engine step: timed as prefill if it ran prompt work, else as decode; `rows`
-        decoded `decoded` tokens (more than one a row where it speculated)."""
-        if prompt_work:
-            self.prefill_time += seconds
-        else:
-            self.decode_time += seconds
-            self.decode_tokens += decoded
-        if decoded:
-            self.decode_steps += 1
-            self.batch_size_sum += decoded if rows is None else rows
-        self.peak_memory_bytes = max(self.peak_memory_bytes, peak_memory)
-
-    @property
-    def prefill_tokens_per_s(self) -> float:
-        computed = self.prompt_tokens - self.cached_tokens
-        return computed / self.prefill_time if self.prefill_time > 0 else 0.0
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return self.decode_tokens / self.decode_time if self.decode_time > 0 else 0.0
-
-    @property
-    def mean_batch_size(self) -> float:
-        return self.batch_size_sum / self.decode_steps if self.decode_steps else 0.0
-
-    def ttft_quantile(self, q: float) -> float | None:
-        if not self.ttfts:
-            return None
-        values = sorted(self.ttfts)
-        return values[min(len(values) - 1, int(q * len(values)))]
+    def describe(self) -> str:
+        if self.kind == "choices":
+            return "choices " + ", ".join(self.value)
+        return {"json_schema": "the JSON schema", "json_object": "a JSON object",
+                "regex": f"the regex {self.value!r}"}[self.kind]

@@ -28,12 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from batchrun.engine.backends.prompt import PromptBuilder, PromptError
-from batchrun.engine.decoding.constrain import (
-    Constraint,
-    ConstraintError,
-    response_format_constraint,
-)
-from batchrun.engine.types import SamplingParams
+from batchrun.engine.decoding.constrain import response_format_constraint
+from batchrun.engine.types import Constraint, ConstraintError, SamplingParams
 from batchrun.io.jsonl import RawRow
 from batchrun.job.limits import RowLimits
 

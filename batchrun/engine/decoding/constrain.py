@@ -5,17 +5,16 @@ against the model's tokenizer and computes a row's allowed-token bitmask in tens
 microseconds, from NumPy, with no PyTorch. (outlines-core builds a full index per schema up
 front; xgrammar's Python package needs PyTorch.)
 
-A constrained row carries a `GrammarProcessor` as its logits processor. The decode step
-(batch.py) finds the rows that have one, lets each matcher consume the row's last token, fills
-all their bitmasks in one parallel call and masks the rows' logits with one operation, so
-constrained and free rows share a batch. The processor also works alone as an mlx-lm logits
-processor (mlx-lm calls it for the first token after a prompt).
+A request's `Constraint` (what its answer must match) is a value in types.py; this module
+compiles it. A constrained row carries a `GrammarProcessor` as its logits processor. The decode
+step (backends/batch.py) finds the rows that have one, lets each matcher consume the row's last
+token, fills all their bitmasks in one parallel call and masks the rows' logits with one
+operation, so constrained and free rows share a batch. The processor also works alone as an
+mlx-lm logits processor (mlx-lm calls it for the first token after a prompt).
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from typing import Any
 
 import llguidance
@@ -24,68 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from batchrun.engine.decoding.reasoning import ThinkingGate
-
-# Compact JSON, no free whitespace: a weak model cannot wander off into blank space.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-class ConstraintError(ValueError):
-    """A schema, regex or choice list that cannot be compiled; the message says why."""
-
-
-@dataclass(frozen=True, slots=True)
-class Constraint:
-    """What a row's answer must match. `kind`: json_schema, json_object, regex or choices."""
-
-    kind: str
-    value: str | tuple[str, ...] = ""  # the schema as JSON text, the regex, or the choices
-
-    @classmethod
-    def json_schema(cls, schema: Any) -> Constraint:
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as e:
-                raise ConstraintError(f"the JSON schema is not valid JSON: {e}") from None
-        if not isinstance(schema, dict):
-            raise ConstraintError("a JSON schema must be an object")
-        return cls("json_schema", json.dumps(schema, sort_keys=True))
-
-    @classmethod
-    def choices(cls, choices: Any) -> Constraint:
-        if (not isinstance(choices, (list, tuple)) or not choices
-                or not all(isinstance(c, str) and c for c in choices)):
-            raise ConstraintError("choices must be a non-empty list of non-empty strings")
-        if len(set(choices)) != len(choices):
-            raise ConstraintError(f"choices must be distinct, got {list(choices)!r}")
-        return cls("choices", tuple(choices))
-
-    @classmethod
-    def regex(cls, pattern: Any) -> Constraint:
-        if not isinstance(pattern, str) or not pattern:
-            raise ConstraintError("a regex must be a non-empty string")
-        return cls("regex", pattern)
-
-    def grammar(self) -> str:
-        """The llguidance grammar for this constraint."""
-        if self.kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(self.value,
-                                                                 defaults=JSON_OPTIONS)
-        if self.kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
-                                                                 defaults=JSON_OPTIONS)
-        if self.kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(self.value)
-        if self.kind == "choices":
-            alternatives = " | ".join(json.dumps(c) for c in self.value)
-            return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
-        raise ConstraintError(f"unknown constraint kind {self.kind!r}")
-
-    def describe(self) -> str:
-        if self.kind == "choices":
-            return "choices " + ", ".join(self.value)
-        return {"json_schema": "the JSON schema", "json_object": "a JSON object",
-                "regex": f"the regex {self.value!r}"}[self.kind]
+from batchrun.engine.types import Constraint, ConstraintError
 
 
 def response_format_constraint(response_format: Any) -> Constraint | None:
