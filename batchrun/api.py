@@ -9,32 +9,22 @@ with the command line's job folder, resume and exactly-once output.
 from __future__ import annotations
 
 import dataclasses
-import json
-import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.load import load_engine
 from batchrun.engine.types import SamplingParams
 from batchrun.io.files import fsync_folder
+from batchrun.job.dry_run import PROBE_ROWS, DryRun, count_and_probe
+from batchrun.job.errors import UsageError
+from batchrun.job.plan import GENERATION_CONFIG_KEYS, IMAGE_COLUMN_NEEDS_VISION, STDIN, plan
 from batchrun.models import MissingExtra  # re-exported: the CLI catches it
 
-if TYPE_CHECKING:
-    from batchrun.job.limits import RowLimits
-
 _SAMPLING = SamplingParams()
-log = logging.getLogger("batchrun")
-# The sampling defaults a model's generation_config.json may set (its key -> ours), applied as
-# vLLM applies them: where neither the row nor a flag says otherwise.
-GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-                          "min_p": "min_p", "repetition_penalty": "repetition_penalty",
-                          "max_new_tokens": "max_tokens"}
-STDIN = "-"  # the input name for rows read from stdin
-PROBE_ROWS = 8  # rows a dry run times through the engine
 
 
 class Engine:
@@ -50,16 +40,6 @@ class Engine:
         prefix_cache, cache_dir, ...). `vision` forces (True) or forbids (False) the vision
         backend; by default the model's config decides."""
         return load_engine(model, config or EngineConfig(**engine_options), vision)
-
-
-INPUT_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".parquet")
-# Output suffixes that promise a format batchrun does not write (anything else is JSONL).
-OTHER_FORMATS = frozenset({".gz", ".bz2", ".xz", ".zst", ".zip", ".csv", ".tsv", ".json",
-                           ".xlsx", ".arrow", ".feather"})
-
-
-class UsageError(ValueError):
-    """An option that cannot work (the command line's exit 2); the message names it."""
 
 
 @dataclass(slots=True)
@@ -145,7 +125,7 @@ class Job:
         self._stdin_taken = False  # spooled into the job folder (once: check() may repeat)
         self._spool_written = False  # this Job wrote the spool, for a job that had not begun
         self.spec, self.config, self.constraint, self.defaults_from = \
-            _plan(Path(input), self.options)
+            plan(Path(input), self.options)
         self.input = self.spec.input
         self.runner = None
         self.report: dict | None = None
@@ -222,7 +202,7 @@ class Job:
         without loading it, the model), in words."""
         from batchrun.job.errors import JobConflict
         from batchrun.job.ownership import OutputConflict
-        from batchrun.job.spec import saved_manifest
+        from batchrun.job.spec import different_job, job_changes, saved_manifest
 
         spec = self.spec
         old = saved_manifest(spec.job_dir)
@@ -257,7 +237,7 @@ class Job:
         from batchrun.job import manifest as mf
         from batchrun.job import ownership
         from batchrun.job.errors import JobConflict, JobError
-        from batchrun.job.spec import saved_manifest
+        from batchrun.job.spec import different_job, saved_manifest
 
         spec = self.spec
         target = spec.input
@@ -402,461 +382,15 @@ class Job:
             raise UsageError("a dry run reads a file: spool stdin to one first")
         self.prepare(dry_run=True)
         try:
-            return _dry_run(self.engine, self.spec, probe_rows)
+            return count_and_probe(self.engine, self.spec, probe_rows)
         finally:
             self.engine.close()
-
-
-@dataclass(slots=True)
-class DryRun:
-    """What `Job.dry_run` found: rows, prompt tokens, the share a prefix cache would reuse, and
-    a time estimate from a probe (None without a row to probe)."""
-
-    rows: int
-    row_errors: int
-    first_error: str | None
-    prompt_tokens: int
-    shared_tokens: int  # prompt tokens in blocks an earlier row already has (computed once)
-    sharing_rows: int  # rows that start with such blocks
-    max_new_tokens: int  # the most tokens the rows may generate (their max_tokens, summed)
-    max_concurrency: int = 0  # the engine's
-    probe_rows: int = 0
-    probe_s: float = 0.0
-    prefill_tokens_per_s: float = 0.0
-    decode_tokens_per_s: float = 0.0
-    mean_completion_tokens: float = 0.0
-    estimate_s: float | None = None
-
-    @property
-    def shared_share(self) -> float:
-        return self.shared_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-
-def _dry_run(engine, spec, probe_rows: int) -> DryRun:
-    """Count every row's prompt tokens and the shared-prefix share, then probe."""
-    from collections import OrderedDict
-
-    from batchrun.cache.prefix import block_keys
-    from batchrun.io.readers import read_rows
-    from batchrun.job.rows import RowError, build_task, read_error
-
-    total = spec.rows_total
-    # Probe rows spread over the input: the first row at or after each of these.
-    wanted = sorted({i * total // probe_rows for i in range(min(probe_rows, total))},
-                    reverse=True)
-    probe, seen = [], OrderedDict()
-    block = engine.config.prefix_block_size
-    found = DryRun(0, 0, None, 0, 0, 0, 0, engine.max_concurrency)
-    for raw in read_rows(spec.input, 0, spec.rows.limits.row_bytes):
-        found.rows += 1
-        task = (read_error(raw, spec.rows.id_column) if raw.error is not None
-                else build_task(raw.value, raw.index, raw.line, engine.prompts, spec.rows))
-        if isinstance(task, RowError):
-            found.row_errors += 1
-            found.first_error = found.first_error or f"line {task.line}: {task.message}"
-            continue
-        ids = task.prompt_ids
-        found.prompt_tokens += len(ids)
-        found.max_new_tokens += task.params.max_tokens * task.n
-        shared = _shared_blocks(block_keys(ids, block, b""), seen)
-        if shared:
-            found.sharing_rows += 1
-            found.shared_tokens += min(shared * block, len(ids) - 1)  # one token is computed
-        if wanted and raw.index >= wanted[-1]:
-            wanted.pop()
-            probe.append(task)
-    if probe:
-        _probe(engine, probe, found)
-    return found
-
-
-SHARED_KEYS_KEPT = 1 << 18  # block keys a dry run remembers (a prefix cache is bounded too)
-
-
-def _shared_blocks(keys: list[bytes], seen) -> int:
-    """How many leading blocks of a prompt an earlier row already has; remembers its own."""
-    shared = 0
-    for key in keys:
-        if key not in seen:
-            break
-        seen.move_to_end(key)
-        shared += 1
-    for key in keys[shared:]:
-        seen[key] = None
-    while len(seen) > SHARED_KEYS_KEPT:
-        seen.popitem(last=False)
-    return shared
-
-
-def _probe(engine, tasks: list, found: DryRun) -> None:
-    """Run `tasks` through the engine; extrapolate to every row from its prefill and decode
-    rates (a probe batch is small: a full one decodes faster, so this leans long)."""
-    import time
-
-    start = time.perf_counter()
-    for task in tasks:
-        for params in task.sample_params():
-            engine.add_tokens(task.prompt_ids, params, task.vision)
-    completion = 0
-    while engine.has_work():
-        completion += sum(out.completion_tokens for out in engine.step())
-    stats = engine.stats
-    found.probe_rows = len(tasks)
-    found.probe_s = time.perf_counter() - start
-    found.prefill_tokens_per_s = stats.prefill_tokens_per_s
-    found.decode_tokens_per_s = stats.decode_tokens_per_s
-    found.mean_completion_tokens = completion / len(tasks)
-    rows = found.rows - found.row_errors
-    generated = min(found.mean_completion_tokens * rows, found.max_new_tokens)
-    computed = found.prompt_tokens - found.shared_tokens
-    per_row = found.probe_s / len(tasks)
-    prefill = computed / found.prefill_tokens_per_s if found.prefill_tokens_per_s else 0.0
-    decode = generated / found.decode_tokens_per_s if found.decode_tokens_per_s else 0.0
-    found.estimate_s = prefill + decode if prefill + decode > 0 else per_row * rows
-
-
-def different_job(job_dir: Path, changes: list[str]) -> str:
-    """The refusal of a job folder that holds another job: what differs, and what to do."""
-    return (f"{job_dir} holds a different job, so it was not resumed:\n"
-            + "".join(f"  {c}\n" for c in changes)
-            + f"To keep both jobs, pass another --job-dir; to run this job in its place, move "
-            f"{job_dir} away (its progress goes with it).")
-
-
-def job_changes(old: dict, input_fp: dict, options: dict, model_fp: str | None,
-                model: str | None, defaults_from: dict[str, str]) -> list[str]:
-    """What differs between the job in a job folder (its job.json) and this one, one line
-    each: the option (and its flag), the old and the new value."""
-    changes = []
-    if old["input"]["sha256"] != input_fp["sha256"]:
-        changes.append(f"the input changed: {old['input']['path']} "
-                       f"({old['input']['size']:,} bytes) -> {input_fp['path']} "
-                       f"({input_fp['size']:,} bytes)")
-    if model_fp is not None and old["model"]["fingerprint"] != model_fp:
-        changes.append(f"the model changed: {old['model']['name']} "
-                       f"({old['model']['path']}) -> {model or 'demo'} (other files)")
-    before, after = _flat(old["options"]), _flat(options)
-    for key in sorted(set(before) | set(after)):
-        a, b = before.get(key), after.get(key)
-        if a != b:
-            where = defaults_from.get(key)
-            why = " (the model's generation_config.json)" if where == "generation_config.json" \
-                else ""
-            changes.append(f"{key} ({OPTION_FLAGS.get(key, 'option')}): {_shown(a)} -> "
-                           f"{_shown(b)}{why}")
-    return changes
-
-
-# job.json's option names and the flags that set them.
-OPTION_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature",
-                "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed",
-                "stop": "--stop", "logprobs": "--logprobs", "top_logprobs": "--top-logprobs",
-                "constraint": "--json-schema, --choices or --regex",
-                "max_thinking_tokens": "--max-thinking-tokens", "system": "--system",
-                "prompt_template": "--prompt-template", "id_column": "--id-column", "n": "--n",
-                "image_column": "--image-column", "output": "-o",
-                "served_model_names": "--served-model-name",
-                "repetition_penalty": "generation_config.json"}
-
-
-def _flat(options: dict) -> dict:
-    """job.json's options with the sampling defaults' fields at the top level."""
-    flat = {k: v for k, v in options.items() if k != "sampling"}
-    sampling = options.get("sampling")
-    if isinstance(sampling, dict):
-        flat.update(sampling)
-    return flat
-
-
-def _shown(value: Any, limit: int = 60) -> str:
-    """An option's value in a message: short, JSON-like, `unset` for None."""
-    if value is None:
-        return "unset"
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if isinstance(value, int | float):
-        return f"{value:g}" if isinstance(value, float) else str(value)
-    text = json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _stdin_bytes() -> BinaryIO:
     import sys
 
     return sys.stdin.buffer
-
-
-def generation_defaults(model: str | None) -> dict[str, Any]:
-    """The sampling defaults the model's generation_config.json sets, under our names
-    (max_new_tokens is max_tokens); {} when it has none or cannot be read."""
-    config = _generation_config(model)
-    return {ours: config[theirs] for theirs, ours in GENERATION_CONFIG_KEYS.items()
-            if config.get(theirs) is not None}
-
-
-def _generation_config(model: str | None) -> dict:
-    """generation_config.json of the model: a local folder, or a Hugging Face id (from the
-    local hub cache, else fetched alone: the model's files follow when it loads)."""
-    from batchrun.models import resolve
-
-    name = resolve(model)
-    path = Path(name).expanduser()
-    if path.is_dir():
-        file = path / "generation_config.json"
-        if not file.is_file():
-            return {}
-    elif path.is_absolute() or name.startswith((".", "~")):
-        return {}  # a local folder that is not there: loading the model says so
-    else:
-        from huggingface_hub import hf_hub_download, try_to_load_from_cache
-
-        from batchrun.models import hub_unreachable
-
-        # The cache alone: hf_hub_download(local_files_only=True) builds its request headers
-        # first, which fetches the Hub's agent registry (huggingface_hub 2.4) over the network.
-        try:
-            cached = try_to_load_from_cache(name, "generation_config.json")
-        except Exception:  # not a repository id the cache could hold
-            return {}
-        if isinstance(cached, str):
-            file = Path(cached)
-        elif cached is not None or hub_unreachable():  # the cache knows there is none; or
-            return {}  # the Hub cannot be reached: loading the model says so, without retries
-        else:
-            try:
-                file = Path(hf_hub_download(name, "generation_config.json"))
-            except Exception:  # none, or unreachable: loading the model says why if it matters
-                return {}
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        log.warning("%s cannot be read (%s); its sampling defaults are not used", file, e)
-        return {}
-    return config if isinstance(config, dict) else {}
-
-
-def _sampling_defaults(o: RunOptions) -> tuple[dict[str, Any], dict[str, str]]:
-    """The job's sampling defaults: the flags, else the model's generation_config.json, else
-    batchrun's; and where each came from."""
-    generation = generation_defaults(o.model)
-    values, sources = {}, {}
-    for name in GENERATION_CONFIG_KEYS.values():
-        flag = getattr(o, name, None)
-        if flag is not None:
-            values[name], sources[name] = flag, "flag"
-        elif name in generation:
-            values[name], sources[name] = generation[name], "generation_config.json"
-        else:
-            values[name], sources[name] = getattr(_SAMPLING, name), "batchrun"
-    return values, sources
-
-
-def served_names(value: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
-    """--served-model-name NAME[,ALIAS...] as a tuple of names (empty: any name)."""
-    if value is None:
-        return ()
-    parts = value.split(",") if isinstance(value, str) else list(value)
-    names = tuple(str(p).strip() for p in parts)
-    if not names or not all(names):
-        raise UsageError(f"--served-model-name takes names separated by commas, got {value!r}")
-    return names
-
-
-def _input_path(input_path: Path, o: RunOptions) -> Path:
-    """The file the job reads: the input, or for stdin the spool in the job folder."""
-    from batchrun.io.readers import FORMATS, declare_format
-
-    if o.format is not None and o.format not in FORMATS:
-        raise UsageError(f"--format must be one of {', '.join(FORMATS)}, got {o.format!r}")
-    if str(input_path) == STDIN:
-        if not o.job_dir:
-            raise UsageError("rows from stdin (-) need --job-dir DIR: batchrun keeps them in "
-                             "DIR/stdin.jsonl, so the job can resume")
-        return Path(o.job_dir) / f"stdin.{o.format or 'jsonl'}"
-    if not input_path.is_file():
-        raise UsageError(f"input file not found: {input_path}")
-    if o.format is not None:
-        declare_format(input_path, o.format)
-    elif not input_path.name.lower().endswith(INPUT_SUFFIXES):
-        raise UsageError(f"{input_path}: batchrun reads JSONL ({', '.join(INPUT_SUFFIXES[:-1])}) "
-                         f"or Parquet (.parquet), and job files (.toml); pass --format jsonl "
-                         "or --format parquet to read it as one")
-    return input_path
-
-
-def _plan(input_path: Path, o: RunOptions):
-    """The job's spec, engine config, constraint and where its sampling defaults come from
-    (UsageError if an option is bad)."""
-    # The job's code loads with its spec, the engine and mlx-lm with it, before any check:
-    # mlx-lm raises the open-file limit as it loads, so a limit too low is said first, and as
-    # such (the command line's one line for it).
-    import batchrun.job.runner  # noqa: F401
-    from batchrun.engine.types import SamplingParams
-    from batchrun.job.limits import parse_limits
-    from batchrun.job.rows import RowOptions
-    from batchrun.job.spec import JobSpec, default_job_dir
-    from batchrun.paths import default_cache_dir
-
-    from_stdin = str(input_path) == STDIN
-    for flag, value in (("--model", o.model), ("--draft-model", o.draft_model)):
-        if value is not None and not str(value).strip():  # `--model "$UNSET"`: not the demo
-            raise UsageError(f"{flag} is empty: pass a model folder or a Hugging Face id")
-    input_path = _input_path(input_path, o)
-    _check_template(o.prompt_template)
-    _check_image_column(o)
-    try:
-        limits = parse_limits(o.limit)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    constraint = _constraint(o, limits)
-    sampling, sources = _sampling_defaults(o)
-    try:
-        defaults = SamplingParams(
-            **sampling, seed=o.seed, stop=tuple(o.stop),
-            logprobs=bool(o.logprobs or o.top_logprobs), top_logprobs=o.top_logprobs,
-            constraint=constraint, max_thinking_tokens=o.max_thinking_tokens)
-    except ValueError as e:
-        given = [k for k, v in sources.items() if v == "generation_config.json"]
-        why = (f" (the model's generation_config.json sets {', '.join(given)}; a flag "
-               "overrides it)") if given else ""
-        raise UsageError(f"{e}{why}") from None
-    if o.draft_model and o.speculate in ("off", "ngram"):
-        log.warning("--draft-model %s is not used: --speculate is %s", o.draft_model, o.speculate)
-    method = o.speculate or ("draft" if o.draft_model else "off")
-    if o.draft_tokens is not None and method == "off":
-        log.warning("--draft-tokens %s is not used: no speculation (pass --speculate ngram or "
-                    "--draft-model)", o.draft_tokens)
-    if o.speculate == "draft" and not o.draft_model:
-        raise UsageError("--speculate draft needs --draft-model (a small model made with the "
-                         "same tokenizer as the model)")
-    try:
-        config = EngineConfig(max_concurrency=o.max_concurrency,
-                              prefill_batch_size=o.prefill_batch_size,
-                              prefill_step_size=o.prefill_step_size,
-                              memory_utilization=o.memory_utilization,
-                              prefix_cache=not o.no_prefix_cache,
-                              shared_prefix=not o.no_shared_prefix,
-                              speculate=method,
-                              draft_model=str(o.draft_model) if o.draft_model else None,
-                              draft_tokens=o.draft_tokens,
-                              cache_dir=str(o.cache_dir or default_cache_dir()))
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    job_dir = Path(o.job_dir) if o.job_dir else default_job_dir(input_path)
-    _check_job_dir_path(job_dir)
-    output = Path(o.output) if o.output else job_dir / "results.jsonl"
-    if output.suffix.lower() in OTHER_FORMATS:
-        raise UsageError(f"-o {output}: batchrun writes JSONL (.jsonl) or Parquet (.parquet), "
-                         f"not {output.suffix}")
-    roots = [o.media_root] if isinstance(o.media_root, str | Path) else list(o.media_root)
-    timeout = o.media_timeout
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-        raise UsageError(f"--media-timeout must be over 0 seconds, got {o.media_timeout!r}")
-    rows = RowOptions(defaults, o.system, o.prompt_template, o.id_column, o.n,
-                      image_column=o.image_column,
-                      media_roots=tuple(Path(root).absolute() for root in roots),
-                      allow_private_urls=bool(o.allow_private_urls),
-                      media_timeout=float(o.media_timeout),
-                      served_model_names=served_names(o.served_model_name),
-                      expected_column=o.expected_column, limits=limits)
-    if from_stdin:  # relative image paths in rows from stdin start at the current folder
-        rows.base_dir = Path.cwd()
-    spec = JobSpec(input_path, job_dir, output, o.model, rows, restart=o.restart, quiet=o.quiet)
-    return spec, config, constraint, sources
-
-
-def _check_job_dir_path(job_dir: Path) -> None:
-    """--job-dir must name a folder, or a path where one can be made."""
-    for path in (job_dir, *job_dir.parents):
-        if os.path.lexists(path):
-            if path.is_dir():
-                return
-            kind = "a symbolic link" if path.is_symlink() else "a file"
-            what = f"is {kind}, not a folder" if path == job_dir else \
-                f"cannot be a folder: {path} is {kind}"
-            raise UsageError(f"--job-dir {job_dir} {what}: pass a folder's path (it is made if "
-                             "absent)")
-
-
-def _check_image_column(o: RunOptions) -> None:
-    """--image-column needs a vision model: said before the model loads when its config is
-    here to read (else loading it says so)."""
-    if not o.image_column or o.vision or o.ray_address:
-        return
-    from batchrun.models import is_vision_config, read_config, resolve
-
-    config = read_config(resolve(o.model))
-    if config and not is_vision_config(config):
-        raise UsageError(IMAGE_COLUMN_NEEDS_VISION)
-
-
-IMAGE_COLUMN_NEEDS_VISION = ("--image-column needs a vision model (pass --model with one, or "
-                             "--vision to force the vision path)")
-
-
-def _constraint(o: RunOptions, limits: RowLimits):
-    """The job-wide constraint from json_schema, choices or regex (at most one), checked to
-    compile as far as it can be without the model's tokenizer."""
-    from batchrun.engine.types import Constraint, ConstraintError
-    from batchrun.job.rows import RowRejected, check_choices
-
-    given = [f"--{name.replace('_', '-')}" for name in ("json_schema", "choices", "regex")
-             if getattr(o, name) is not None]
-    if len(given) > 1:
-        raise UsageError(f"give at most one of {', '.join(given)}")
-    try:
-        if o.json_schema is not None:
-            path = Path(o.json_schema)
-            if not path.is_file():
-                raise UsageError(f"--json-schema: file not found: {path}")
-            constraint = Constraint.json_schema(path.read_text())
-        elif o.choices is not None:
-            choices = o.choices
-            if isinstance(choices, str):
-                choices = [c.strip() for c in choices.split(",")]
-            check_choices(list(choices), limits, "--choices")
-            constraint = Constraint.choices(list(choices))
-        elif o.regex is not None:
-            constraint = Constraint.regex(o.regex)
-        else:
-            return None
-    except ConstraintError as e:
-        raise UsageError(f"{given[0]}: {e}") from None
-    except RowRejected as e:
-        raise UsageError(str(e)) from None
-    problem = _grammar_problem(constraint)
-    if problem:
-        raise UsageError(f"{given[0]}: {constraint.describe()} does not compile: {problem}")
-    return constraint
-
-
-def _grammar_problem(constraint) -> str | None:
-    """Why the constraint's grammar is invalid whatever the tokenizer (a bad regex, an
-    unknown schema type), or None."""
-    import llguidance
-
-    try:
-        error = llguidance.LLMatcher.validate_grammar(constraint.grammar())
-    except ValueError as e:
-        error = str(e)
-    if not error or error.startswith("WARNING"):
-        return None
-    return " ".join(error.split())[:300]
-
-
-def _check_template(template: str | None) -> None:
-    """--prompt-template must be a format string (its columns are checked row by row)."""
-    import string
-
-    if template is None:
-        return
-    if not template.strip():
-        raise UsageError("--prompt-template must not be empty")
-    try:
-        list(string.Formatter().parse(template))
-    except ValueError as e:
-        raise UsageError(f"--prompt-template {template!r}: {e} (write {{{{ and }}}} for "
-                         "literal braces)") from None
 
 
 def _local_runner(job: Job):

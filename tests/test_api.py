@@ -9,6 +9,7 @@ import pytest
 
 import batchrun
 from batchrun.engine.types import FinishReason, SamplingParams
+from batchrun.job.errors import UsageError
 
 
 @pytest.fixture(scope="module")
@@ -77,11 +78,11 @@ def test_a_job_gives_what_the_command_line_gives(tmp_path):
 def test_a_job_refuses_bad_options_by_name(tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"prompt": "x"}\n')
-    with pytest.raises(batchrun.api.UsageError, match="unknown options max_tokenz"):
+    with pytest.raises(UsageError, match="unknown options max_tokenz"):
         batchrun.Job(rows, max_tokenz=3)
-    with pytest.raises(batchrun.api.UsageError, match="at most one"):
+    with pytest.raises(UsageError, match="at most one"):
         batchrun.Job(rows, choices="a,b", regex="x")
-    with pytest.raises(batchrun.api.UsageError, match="not found"):
+    with pytest.raises(UsageError, match="not found"):
         batchrun.Job(tmp_path / "missing.jsonl")
 
 

@@ -19,6 +19,7 @@ from click.testing import CliRunner
 
 import batchrun.api
 from batchrun.cli import cli, resume_command
+from batchrun.job.errors import UsageError
 from tests.helpers import committed_rows, jsonl, line_count, run, write_rows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -490,7 +491,7 @@ def test_max_thinking_tokens_and_served_model_names_reach_the_job(tmp_path, monk
     def capture(job):
         seen["names"] = job.spec.rows.served_model_names
         seen["thinking"] = job.spec.rows.defaults.max_thinking_tokens
-        raise batchrun.api.UsageError("stop here")
+        raise UsageError("stop here")
 
     monkeypatch.setattr(batchrun.api, "_local_runner", capture)
     monkeypatch.setenv("BATCHRUN_RUN_SERVED_MODEL_NAME", "gpt-4o, mini")

@@ -25,7 +25,6 @@ from helpers import jsonl, run, write_rows
 from PIL import Image
 
 import batchrun
-import batchrun.api
 from batchrun.io.jsonl import RawRow
 from batchrun.io.media import (
     DEFAULT_POLICY,
@@ -37,6 +36,7 @@ from batchrun.io.media import (
     fetch,
     load_image,
 )
+from batchrun.job.errors import UsageError
 from batchrun.job.feeder import Feeder
 from batchrun.job.rows import RowError, RowOptions, Task, build_task
 
@@ -810,7 +810,7 @@ def test_media_root_and_timeout_options(tmp_path, folders, monkeypatch):
     job = batchrun.Job(rows, job_dir=tmp_path / "api", media_root="elsewhere", media_timeout=2)
     assert job.spec.rows.media_roots == (tmp_path / "elsewhere",)
     assert job.spec.rows.media_timeout == 2.0 and not job.spec.rows.allow_private_urls
-    with pytest.raises(batchrun.api.UsageError, match="--media-timeout"):
+    with pytest.raises(UsageError, match="--media-timeout"):
         batchrun.Job(rows, job_dir=tmp_path / "api", media_timeout=-1)
 
 

@@ -170,9 +170,9 @@ def _run(ctx: click.Context, input_path: Path, opts: dict, spooled: list[Path],
     if dry_run:
         return 0, _dry_run(input_path, opts, debug)
 
-    from batchrun.api import Job, UsageError
+    from batchrun.api import Job
     from batchrun.job import report as rp
-    from batchrun.job.errors import Interrupted, JobError
+    from batchrun.job.errors import Interrupted, JobError, UsageError
 
     try:
         job = Job(input_path, **opts)
@@ -298,9 +298,9 @@ def _dry_run(input_path: Path, opts: dict, debug: bool) -> str:
 
 
 def _dry_run_file(input_path: Path, opts: dict, debug: bool) -> str:
-    from batchrun.api import Job, UsageError
+    from batchrun.api import Job
     from batchrun.io.jsonl import InputError
-    from batchrun.job.errors import JobError
+    from batchrun.job.errors import JobError, UsageError
 
     try:
         job = Job(input_path, **opts)
@@ -342,7 +342,8 @@ def _check_address_space() -> None:
 def _prepare(job, debug: bool, dry_run: bool = False) -> None:
     """Load the job's model (or start its Ray runner) and say what runs where, and with which
     sampling defaults; bad options and models are one line."""
-    from batchrun.api import MissingExtra, UsageError
+    from batchrun.api import MissingExtra
+    from batchrun.job.errors import UsageError
     from batchrun.models import DraftModelError, ModelError
 
     _check_address_space()

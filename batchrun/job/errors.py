@@ -1,10 +1,14 @@
-"""What stops a job: JobError (exit 1), JobConflict (exit 2: the command would mix or overwrite
-jobs' data) and Interrupted (a signal; progress is committed and the job resumes where it
-stopped)."""
+"""What stops a job: UsageError (an option that cannot work, exit 2), JobError (exit 1),
+JobConflict (exit 2: the command would mix or overwrite jobs' data) and Interrupted (a signal;
+progress is committed and the job resumes where it stopped)."""
 
 from __future__ import annotations
 
 import signal
+
+
+class UsageError(ValueError):
+    """An option that cannot work (the command line's exit 2); the message names it."""
 
 
 class JobError(Exception):

@@ -1,14 +1,17 @@
 """A job's spec: its input, job folder, output, model and row options, and the options that make
 a resumed job the same job (job.json keeps them). Before any work (the model is not loaded yet),
 `check_paths` refuses an output the job may not write, a folder that may not be its job folder,
-job files that are not regular files, and a folder that holds another job."""
+job files that are not regular files, and a folder that holds another job (`job_changes` says
+what differs, option by option, with the flag that sets it)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -152,6 +155,71 @@ def check_same_job(spec: JobSpec, old: dict, new: dict) -> None:
         raise JobConflict(f"{spec.job_dir} holds a different job: " + "; ".join(changed)
                           + f".\n  Pass another --job-dir to keep both, or move {spec.job_dir} "
                           "away to discard its progress.")
+
+
+def different_job(job_dir: Path, changes: list[str]) -> str:
+    """The refusal of a job folder that holds another job: what differs, and what to do."""
+    return (f"{job_dir} holds a different job, so it was not resumed:\n"
+            + "".join(f"  {c}\n" for c in changes)
+            + f"To keep both jobs, pass another --job-dir; to run this job in its place, move "
+            f"{job_dir} away (its progress goes with it).")
+
+
+def job_changes(old: dict, input_fp: dict, options: dict, model_fp: str | None,
+                model: str | None, defaults_from: dict[str, str]) -> list[str]:
+    """What differs between the job in a job folder (its job.json) and this one, one line
+    each: the option (and its flag), the old and the new value."""
+    changes = []
+    if old["input"]["sha256"] != input_fp["sha256"]:
+        changes.append(f"the input changed: {old['input']['path']} "
+                       f"({old['input']['size']:,} bytes) -> {input_fp['path']} "
+                       f"({input_fp['size']:,} bytes)")
+    if model_fp is not None and old["model"]["fingerprint"] != model_fp:
+        changes.append(f"the model changed: {old['model']['name']} "
+                       f"({old['model']['path']}) -> {model or 'demo'} (other files)")
+    before, after = _flat(old["options"]), _flat(options)
+    for key in sorted(set(before) | set(after)):
+        a, b = before.get(key), after.get(key)
+        if a != b:
+            where = defaults_from.get(key)
+            why = " (the model's generation_config.json)" if where == "generation_config.json" \
+                else ""
+            changes.append(f"{key} ({OPTION_FLAGS.get(key, 'option')}): {_shown(a)} -> "
+                           f"{_shown(b)}{why}")
+    return changes
+
+
+# job.json's option names and the flags that set them.
+OPTION_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature",
+                "top_p": "--top-p", "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed",
+                "stop": "--stop", "logprobs": "--logprobs", "top_logprobs": "--top-logprobs",
+                "constraint": "--json-schema, --choices or --regex",
+                "max_thinking_tokens": "--max-thinking-tokens", "system": "--system",
+                "prompt_template": "--prompt-template", "id_column": "--id-column", "n": "--n",
+                "image_column": "--image-column", "output": "-o",
+                "served_model_names": "--served-model-name",
+                "repetition_penalty": "generation_config.json"}
+
+
+def _flat(options: dict) -> dict:
+    """job.json's options with the sampling defaults' fields at the top level."""
+    flat = {k: v for k, v in options.items() if k != "sampling"}
+    sampling = options.get("sampling")
+    if isinstance(sampling, dict):
+        flat.update(sampling)
+    return flat
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    """An option's value in a message: short, JSON-like, `unset` for None."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, int | float):
+        return f"{value:g}" if isinstance(value, float) else str(value)
+    text = json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def default_job_dir(input_path: Path) -> Path:

@@ -1,0 +1,306 @@
+"""A job's plan: the options of `batchrun.Job` and of `batchrun run` (api.RunOptions, read by
+attribute: job/ does not import api.py) checked and turned into what runs: the job's spec (its
+RowOptions), the engine's config and the job-wide constraint. The sampling defaults are the
+flags', else the model's generation_config.json's, else batchrun's. A bad option is a
+UsageError naming its flag, raised before the model loads."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from batchrun.engine.config import EngineConfig
+from batchrun.engine.types import SamplingParams
+from batchrun.job.errors import UsageError
+
+if TYPE_CHECKING:
+    from batchrun.job.limits import RowLimits
+
+_SAMPLING = SamplingParams()
+log = logging.getLogger("batchrun")
+# The sampling defaults a model's generation_config.json may set (its key -> ours), applied as
+# vLLM applies them: where neither the row nor a flag says otherwise.
+GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                          "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                          "max_new_tokens": "max_tokens"}
+STDIN = "-"  # the input name for rows read from stdin
+INPUT_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".parquet")
+# Output suffixes that promise a format batchrun does not write (anything else is JSONL).
+OTHER_FORMATS = frozenset({".gz", ".bz2", ".xz", ".zst", ".zip", ".csv", ".tsv", ".json",
+                           ".xlsx", ".arrow", ".feather"})
+
+
+def generation_defaults(model: str | None) -> dict[str, Any]:
+    """The sampling defaults the model's generation_config.json sets, under our names
+    (max_new_tokens is max_tokens); {} when it has none or cannot be read."""
+    config = _generation_config(model)
+    return {ours: config[theirs] for theirs, ours in GENERATION_CONFIG_KEYS.items()
+            if config.get(theirs) is not None}
+
+
+def _generation_config(model: str | None) -> dict:
+    """generation_config.json of the model: a local folder, or a Hugging Face id (from the
+    local hub cache, else fetched alone: the model's files follow when it loads)."""
+    from batchrun.models import resolve
+
+    name = resolve(model)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        file = path / "generation_config.json"
+        if not file.is_file():
+            return {}
+    elif path.is_absolute() or name.startswith((".", "~")):
+        return {}  # a local folder that is not there: loading the model says so
+    else:
+        from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+        from batchrun.models import hub_unreachable
+
+        # The cache alone: hf_hub_download(local_files_only=True) builds its request headers
+        # first, which fetches the Hub's agent registry (huggingface_hub 2.4) over the network.
+        try:
+            cached = try_to_load_from_cache(name, "generation_config.json")
+        except Exception:  # not a repository id the cache could hold
+            return {}
+        if isinstance(cached, str):
+            file = Path(cached)
+        elif cached is not None or hub_unreachable():  # the cache knows there is none; or
+            return {}  # the Hub cannot be reached: loading the model says so, without retries
+        else:
+            try:
+                file = Path(hf_hub_download(name, "generation_config.json"))
+            except Exception:  # none, or unreachable: loading the model says why if it matters
+                return {}
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        log.warning("%s cannot be read (%s); its sampling defaults are not used", file, e)
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _sampling_defaults(o) -> tuple[dict[str, Any], dict[str, str]]:
+    """The job's sampling defaults: the flags, else the model's generation_config.json, else
+    batchrun's; and where each came from."""
+    generation = generation_defaults(o.model)
+    values, sources = {}, {}
+    for name in GENERATION_CONFIG_KEYS.values():
+        flag = getattr(o, name, None)
+        if flag is not None:
+            values[name], sources[name] = flag, "flag"
+        elif name in generation:
+            values[name], sources[name] = generation[name], "generation_config.json"
+        else:
+            values[name], sources[name] = getattr(_SAMPLING, name), "batchrun"
+    return values, sources
+
+
+def served_names(value: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...]:
+    """--served-model-name NAME[,ALIAS...] as a tuple of names (empty: any name)."""
+    if value is None:
+        return ()
+    parts = value.split(",") if isinstance(value, str) else list(value)
+    names = tuple(str(p).strip() for p in parts)
+    if not names or not all(names):
+        raise UsageError(f"--served-model-name takes names separated by commas, got {value!r}")
+    return names
+
+
+def _input_path(input_path: Path, o) -> Path:
+    """The file the job reads: the input, or for stdin the spool in the job folder."""
+    from batchrun.io.readers import FORMATS, declare_format
+
+    if o.format is not None and o.format not in FORMATS:
+        raise UsageError(f"--format must be one of {', '.join(FORMATS)}, got {o.format!r}")
+    if str(input_path) == STDIN:
+        if not o.job_dir:
+            raise UsageError("rows from stdin (-) need --job-dir DIR: batchrun keeps them in "
+                             "DIR/stdin.jsonl, so the job can resume")
+        return Path(o.job_dir) / f"stdin.{o.format or 'jsonl'}"
+    if not input_path.is_file():
+        raise UsageError(f"input file not found: {input_path}")
+    if o.format is not None:
+        declare_format(input_path, o.format)
+    elif not input_path.name.lower().endswith(INPUT_SUFFIXES):
+        raise UsageError(f"{input_path}: batchrun reads JSONL ({', '.join(INPUT_SUFFIXES[:-1])}) "
+                         f"or Parquet (.parquet), and job files (.toml); pass --format jsonl "
+                         "or --format parquet to read it as one")
+    return input_path
+
+
+def plan(input_path: Path, o):
+    """The job's spec, engine config, constraint and where its sampling defaults come from
+    (UsageError if an option is bad)."""
+    # The job's code loads with its spec, the engine and mlx-lm with it, before any check:
+    # mlx-lm raises the open-file limit as it loads, so a limit too low is said first, and as
+    # such (the command line's one line for it).
+    import batchrun.job.runner  # noqa: F401
+    from batchrun.engine.types import SamplingParams
+    from batchrun.job.limits import parse_limits
+    from batchrun.job.rows import RowOptions
+    from batchrun.job.spec import JobSpec, default_job_dir
+    from batchrun.paths import default_cache_dir
+
+    from_stdin = str(input_path) == STDIN
+    for flag, value in (("--model", o.model), ("--draft-model", o.draft_model)):
+        if value is not None and not str(value).strip():  # `--model "$UNSET"`: not the demo
+            raise UsageError(f"{flag} is empty: pass a model folder or a Hugging Face id")
+    input_path = _input_path(input_path, o)
+    _check_template(o.prompt_template)
+    _check_image_column(o)
+    try:
+        limits = parse_limits(o.limit)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    constraint = _constraint(o, limits)
+    sampling, sources = _sampling_defaults(o)
+    try:
+        defaults = SamplingParams(
+            **sampling, seed=o.seed, stop=tuple(o.stop),
+            logprobs=bool(o.logprobs or o.top_logprobs), top_logprobs=o.top_logprobs,
+            constraint=constraint, max_thinking_tokens=o.max_thinking_tokens)
+    except ValueError as e:
+        given = [k for k, v in sources.items() if v == "generation_config.json"]
+        why = (f" (the model's generation_config.json sets {', '.join(given)}; a flag "
+               "overrides it)") if given else ""
+        raise UsageError(f"{e}{why}") from None
+    if o.draft_model and o.speculate in ("off", "ngram"):
+        log.warning("--draft-model %s is not used: --speculate is %s", o.draft_model, o.speculate)
+    method = o.speculate or ("draft" if o.draft_model else "off")
+    if o.draft_tokens is not None and method == "off":
+        log.warning("--draft-tokens %s is not used: no speculation (pass --speculate ngram or "
+                    "--draft-model)", o.draft_tokens)
+    if o.speculate == "draft" and not o.draft_model:
+        raise UsageError("--speculate draft needs --draft-model (a small model made with the "
+                         "same tokenizer as the model)")
+    try:
+        config = EngineConfig(max_concurrency=o.max_concurrency,
+                              prefill_batch_size=o.prefill_batch_size,
+                              prefill_step_size=o.prefill_step_size,
+                              memory_utilization=o.memory_utilization,
+                              prefix_cache=not o.no_prefix_cache,
+                              shared_prefix=not o.no_shared_prefix,
+                              speculate=method,
+                              draft_model=str(o.draft_model) if o.draft_model else None,
+                              draft_tokens=o.draft_tokens,
+                              cache_dir=str(o.cache_dir or default_cache_dir()))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    job_dir = Path(o.job_dir) if o.job_dir else default_job_dir(input_path)
+    _check_job_dir_path(job_dir)
+    output = Path(o.output) if o.output else job_dir / "results.jsonl"
+    if output.suffix.lower() in OTHER_FORMATS:
+        raise UsageError(f"-o {output}: batchrun writes JSONL (.jsonl) or Parquet (.parquet), "
+                         f"not {output.suffix}")
+    roots = [o.media_root] if isinstance(o.media_root, str | Path) else list(o.media_root)
+    timeout = o.media_timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise UsageError(f"--media-timeout must be over 0 seconds, got {o.media_timeout!r}")
+    rows = RowOptions(defaults, o.system, o.prompt_template, o.id_column, o.n,
+                      image_column=o.image_column,
+                      media_roots=tuple(Path(root).absolute() for root in roots),
+                      allow_private_urls=bool(o.allow_private_urls),
+                      media_timeout=float(o.media_timeout),
+                      served_model_names=served_names(o.served_model_name),
+                      expected_column=o.expected_column, limits=limits)
+    if from_stdin:  # relative image paths in rows from stdin start at the current folder
+        rows.base_dir = Path.cwd()
+    spec = JobSpec(input_path, job_dir, output, o.model, rows, restart=o.restart, quiet=o.quiet)
+    return spec, config, constraint, sources
+
+
+def _check_job_dir_path(job_dir: Path) -> None:
+    """--job-dir must name a folder, or a path where one can be made."""
+    for path in (job_dir, *job_dir.parents):
+        if os.path.lexists(path):
+            if path.is_dir():
+                return
+            kind = "a symbolic link" if path.is_symlink() else "a file"
+            what = f"is {kind}, not a folder" if path == job_dir else \
+                f"cannot be a folder: {path} is {kind}"
+            raise UsageError(f"--job-dir {job_dir} {what}: pass a folder's path (it is made if "
+                             "absent)")
+
+
+def _check_image_column(o) -> None:
+    """--image-column needs a vision model: said before the model loads when its config is
+    here to read (else loading it says so)."""
+    if not o.image_column or o.vision or o.ray_address:
+        return
+    from batchrun.models import is_vision_config, read_config, resolve
+
+    config = read_config(resolve(o.model))
+    if config and not is_vision_config(config):
+        raise UsageError(IMAGE_COLUMN_NEEDS_VISION)
+
+
+IMAGE_COLUMN_NEEDS_VISION = ("--image-column needs a vision model (pass --model with one, or "
+                             "--vision to force the vision path)")
+
+
+def _constraint(o, limits: RowLimits):
+    """The job-wide constraint from json_schema, choices or regex (at most one), checked to
+    compile as far as it can be without the model's tokenizer."""
+    from batchrun.engine.types import Constraint, ConstraintError
+    from batchrun.job.rows import RowRejected, check_choices
+
+    given = [f"--{name.replace('_', '-')}" for name in ("json_schema", "choices", "regex")
+             if getattr(o, name) is not None]
+    if len(given) > 1:
+        raise UsageError(f"give at most one of {', '.join(given)}")
+    try:
+        if o.json_schema is not None:
+            path = Path(o.json_schema)
+            if not path.is_file():
+                raise UsageError(f"--json-schema: file not found: {path}")
+            constraint = Constraint.json_schema(path.read_text())
+        elif o.choices is not None:
+            choices = o.choices
+            if isinstance(choices, str):
+                choices = [c.strip() for c in choices.split(",")]
+            check_choices(list(choices), limits, "--choices")
+            constraint = Constraint.choices(list(choices))
+        elif o.regex is not None:
+            constraint = Constraint.regex(o.regex)
+        else:
+            return None
+    except ConstraintError as e:
+        raise UsageError(f"{given[0]}: {e}") from None
+    except RowRejected as e:
+        raise UsageError(str(e)) from None
+    problem = _grammar_problem(constraint)
+    if problem:
+        raise UsageError(f"{given[0]}: {constraint.describe()} does not compile: {problem}")
+    return constraint
+
+
+def _grammar_problem(constraint) -> str | None:
+    """Why the constraint's grammar is invalid whatever the tokenizer (a bad regex, an
+    unknown schema type), or None."""
+    import llguidance
+
+    try:
+        error = llguidance.LLMatcher.validate_grammar(constraint.grammar())
+    except ValueError as e:
+        error = str(e)
+    if not error or error.startswith("WARNING"):
+        return None
+    return " ".join(error.split())[:300]
+
+
+def _check_template(template: str | None) -> None:
+    """--prompt-template must be a format string (its columns are checked row by row)."""
+    import string
+
+    if template is None:
+        return
+    if not template.strip():
+        raise UsageError("--prompt-template must not be empty")
+    try:
+        list(string.Formatter().parse(template))
+    except ValueError as e:
+        raise UsageError(f"--prompt-template {template!r}: {e} (write {{{{ and }}}} for "
+                         "literal braces)") from None
