@@ -21,7 +21,7 @@ rows split by image shape) is not used.
   system prompt is served from the cache to every row, a shared image only to rows with the same
   picture. A row starts from its cached blocks in mlx-vlm's batch through vision_batch.py. A
   model whose prompt inputs cannot be cut at a position (vision_batch.cut) runs its rows cold.
-- A repeated image is decoded once (io/media.py) and, for models whose `get_input_embeddings`
+- A repeated image is decoded once (io/media/) and, for models whose `get_input_embeddings`
   takes `cached_image_features` (the Qwen2-VL family), its vision features are computed once
   per job.
 """
