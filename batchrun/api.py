@@ -11,20 +11,17 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.load import load_engine
-from batchrun.engine.types import SamplingParams
 from batchrun.io.files import fsync_folder
 from batchrun.job.dry_run import PROBE_ROWS, DryRun, count_and_probe
 from batchrun.job.errors import UsageError
+from batchrun.job.options import RunOptions
 from batchrun.job.plan import GENERATION_CONFIG_KEYS, IMAGE_COLUMN_NEEDS_VISION, STDIN, plan
 from batchrun.models import MissingExtra  # re-exported: the CLI catches it
-
-_SAMPLING = SamplingParams()
 
 
 class Engine:
@@ -42,65 +39,6 @@ class Engine:
         return load_engine(model, config or EngineConfig(**engine_options), vision)
 
 
-@dataclass(slots=True)
-class RunOptions:
-    """The `run` command's options, under the same names (`--max-tokens` is max_tokens)."""
-
-    model: str | None = None
-    output: Path | None = None
-    job_dir: Path | None = None  # required for rows from stdin (input "-")
-    format: str | None = None  # "jsonl" or "parquet" whatever the input's suffix
-    max_concurrency: int | None = None
-    # Sampling defaults for rows that set none; None: the model's generation_config.json's,
-    # else SamplingParams' own (`Job.sampling_defaults` says which).
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = _SAMPLING.seed
-    stop: tuple[str, ...] = _SAMPLING.stop
-    max_thinking_tokens: int | None = None
-    # An OpenAI row whose body.model names none of these is that row's error (None: any).
-    served_model_name: str | tuple[str, ...] | None = None
-    json_schema: Path | None = None
-    choices: str | list[str] | None = None
-    regex: str | None = None
-    n: int = 1
-    logprobs: bool = False
-    top_logprobs: int = 0
-    image_column: str | None = None
-    media_root: tuple[Path, ...] = ()  # folders image paths may be read from (+ the input's)
-    allow_private_urls: bool = False
-    media_timeout: float = 30.0
-    vision: bool = False
-    system: str | None = None
-    prompt_template: str | None = None
-    id_column: str | None = None
-    expected_column: str | None = None  # each row's right answer: records and report accuracy
-    memory_utilization: float = 0.85
-    prefill_batch_size: int | None = None  # None: rows are bounded by tokens (the device's)
-    prefill_step_size: int = 2048
-    cache_dir: Path | None = None
-    no_prefix_cache: bool = False
-    no_shared_prefix: bool = False
-    # Speculative decoding while few rows run: "off", "ngram" or "draft" (None: draft when
-    # draft_model is given, else off).
-    speculate: str | None = None
-    draft_model: str | None = None
-    # None: the method's default on this device (a number given without speculation: said)
-    draft_tokens: int | None = None
-    restart: bool = False
-    quiet: bool = True
-    ray_address: str | None = None
-    ray_actors: int = 2
-    ray_num_cpus: float = 1.0
-    ray_num_gpus: float = 0.0
-    ray_slice_rows: int = 64
-    # Row size limits as NAME=VALUE items or a mapping (job.limits.RowLimits; docs/limits.md).
-    limit: tuple[str, ...] | dict | None = None
-
-
 class Job:
     """A batch job over an input file, with the command line's job folder: resumable, every
     row exactly once, results in input order.
@@ -109,17 +47,16 @@ class Job:
         report = job.run()
         for record in job.results(): ...
 
+    `options` are `run`'s, under the flags' names (`max_tokens=`, `media_timeout=`), or whole
+    parts of RunOptions (`sampling=SamplingOptions(...)`, batchrun.job.options); `job.options`
+    holds them in parts (`job.options.sampling.max_tokens`).
+
     `input` "-" reads JSONL rows from `stdin` (default: this process's): they are spooled into
     the job folder first (`<job_dir>/stdin.jsonl`), so the job resumes like any other.
     """
 
     def __init__(self, input: str | Path, *, stdin: BinaryIO | None = None, **options):
-        try:
-            self.options = RunOptions(**options)
-        except TypeError:
-            known = ", ".join(f.name for f in dataclasses.fields(RunOptions))
-            unknown = sorted(set(options) - {f.name for f in dataclasses.fields(RunOptions)})
-            raise UsageError(f"unknown options {', '.join(unknown)}; known: {known}") from None
+        self.options = RunOptions.from_flat(**options)
         self.from_stdin = str(input) == STDIN
         self._stdin = stdin
         self._stdin_taken = False  # spooled into the job folder (once: check() may repeat)
@@ -333,7 +270,7 @@ class Job:
                     raise DraftModelError(f"the draft model {self.config.draft_model} could "
                                           f"not be loaded: {e}") from None
             try:
-                self.runner = (_ray_runner if self.options.ray_address else _local_runner)(self)
+                self.runner = (_ray_runner if self.options.ray.address else _local_runner)(self)
             except Exception:  # a bad model: Ctrl-C keeps the spool (the hint names it)
                 self.discard_spool()
                 raise
@@ -353,7 +290,7 @@ class Job:
         """Done with the job's model: the prefix cache's pending blocks are written and the
         engine lets go of its threads and its cache folder (a later run loads the model
         again; with Ray, its actors hold the models and end with the cluster)."""
-        if self.runner is not None and not self.options.ray_address:  # Ray's are its actors'
+        if self.runner is not None and not self.options.ray.address:  # Ray's are its actors'
             self.runner.engine.close()
         self.runner = None
 
@@ -399,11 +336,11 @@ def _local_runner(job: Job):
     from batchrun.job.runner import JobRunner
 
     o, spec = job.options, job.spec
-    engine = load_engine(o.model, job.config, o.vision or None)
+    engine = load_engine(o.model, job.config, o.media.vision or None)
     spec.rows.limits = spec.rows.limits.for_context(engine.context_length)
     if engine.backend.accepts_images:
         spec.rows.images = image_cache(spec.rows.limits)
-    elif o.image_column:
+    elif o.media.image_column:
         raise UsageError(IMAGE_COLUMN_NEEDS_VISION)
     if job.constraint is not None:
         from batchrun.engine.types import ConstraintError
@@ -417,23 +354,21 @@ def _local_runner(job: Job):
 
 
 def _ray_runner(job: Job):
-    """The job runner for ray_address: the model is loaded by the Ray actors, not here."""
+    """The job runner for a Ray address: the model is loaded by the Ray actors, not here."""
     try:
         import ray  # noqa: F401
     except ImportError:
         from batchrun.job.distributed import ray_missing
 
         raise MissingExtra(ray_missing()) from None
-    from batchrun.job.distributed import RayJobRunner, RayOptions
+    from batchrun.job.distributed import RayJobRunner
     from batchrun.models import is_vision_config, local_path, model_fingerprint, read_config
 
     o = job.options
     path = local_path(o.model)  # the snapshot the actors will load: fingerprinted
-    vision = o.vision or is_vision_config(read_config(path))
-    ray_options = RayOptions(o.ray_address, o.ray_actors, o.ray_num_cpus, o.ray_num_gpus,
-                             o.ray_slice_rows)
+    vision = o.media.vision or is_vision_config(read_config(path))
     return RayJobRunner(job.spec, o.model, o.model or "demo", path, model_fingerprint(path),
-                        job.config, f"ray {o.ray_address}", ray_options, vision)
+                        job.config, f"ray {o.ray.address}", o.ray, vision)
 
 
 def device_name() -> str:

@@ -18,6 +18,7 @@ import click
 from click.testing import CliRunner
 
 from batchrun.cli import RUN_BUNDLES, cli
+from batchrun.job.options import FLAT
 
 WIDTH = 100
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "cli.md"
@@ -62,17 +63,38 @@ def reference() -> str:
 
 def run_option_groups() -> str:
     """`run`'s option groups (batchrun.cli.RUN_BUNDLES, as --help lists them) as a table of the
-    `batchrun.Job` keyword arguments each group holds."""
+    `batchrun.Job` keyword arguments each group holds, and where RunOptions keeps them
+    (batchrun.job.options.FLAT)."""
     rows = []
     for bundle in RUN_BUNDLES:
-        api = [f"`{name}`" for name in bundle.names if name not in bundle.cli_only]
+        api = [name for name in bundle.names if name not in bundle.cli_only]
         only = [f"`{name}`" for name in bundle.names if name in bundle.cli_only]
-        rows.append(f"| {bundle.heading} | {', '.join(api)}"
-                    + (f"; command line only: {', '.join(only)}" if only else "") + " |")
+        rows.append(f"| {bundle.heading} | {', '.join(f'`{name}`' for name in api)}"
+                    + (f"; command line only: {', '.join(only)}" if only else "")
+                    + f" | {where_kept(api)} |")
     return ("\n### Option groups and `batchrun.Job` keywords\n\n"
             "Each option of `batchrun run` sets the [Python API](python-api.md)'s keyword of "
-            "the same name\n(`--max-tokens` sets `max_tokens`, `--ray` sets `ray_address`):\n\n"
-            "| group | keywords |\n|---|---|\n" + "\n".join(rows) + "\n")
+            "the same name\n(`--max-tokens` sets `max_tokens`, `--ray` sets `ray_address`); "
+            "`job.options` keeps it in\nthe group's part (`job.options.sampling.max_tokens`):"
+            "\n\n| group | keywords | in `RunOptions` |\n|---|---|---|\n"
+            + "\n".join(rows) + "\n")
+
+
+def where_kept(names: list[str]) -> str:
+    """The RunOptions part that keeps these keywords, with the fields named otherwise there
+    (`media_timeout` is `media.timeout`) and those kept at its top."""
+    places = [FLAT[name] for name in names]
+    parts = sorted({part for part, _ in places if part})
+    renamed = [f"`{name}` is `{part}.{field}`"
+               for name, (part, field) in zip(names, places, strict=True)
+               if part and field != name]
+    top = [f"`{name}`" for name, (part, _) in zip(names, places, strict=True) if not part]
+    said = [f"`{part}`" for part in parts]
+    if renamed:
+        said[-1] += f" ({', '.join(renamed)})"
+    if top:
+        said.append(f"{', '.join(top)} at the top")
+    return "; ".join(said)
 
 
 def main() -> int:

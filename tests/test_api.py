@@ -86,6 +86,34 @@ def test_a_job_refuses_bad_options_by_name(tmp_path):
         batchrun.Job(tmp_path / "missing.jsonl")
 
 
+def test_flat_keywords_and_whole_parts_fill_the_nested_options():
+    """Each flat keyword lands in its part (media_timeout is media.timeout); a part may be
+    given whole, and a flat keyword wins over the same field of it."""
+    from batchrun.job.options import FLAT, MediaOptions, RunOptions, SamplingOptions
+
+    for name, (part, field) in FLAT.items():
+        options = RunOptions.from_flat(**{name: "x"})
+        assert getattr(getattr(options, part) if part else options, field) == "x", name
+    options = RunOptions.from_flat(sampling=SamplingOptions(temperature=0.5, top_k=4),
+                                   top_k=8, media_timeout=5.0, ray_address="local")
+    assert (options.sampling.temperature, options.sampling.top_k) == (0.5, 8)
+    assert options.media == MediaOptions(timeout=5.0) and options.ray.address == "local"
+    assert RunOptions.from_flat() == RunOptions()
+    with pytest.raises(UsageError, match="media takes a MediaOptions"):
+        RunOptions.from_flat(media={"timeout": 5.0})
+
+
+def test_a_job_takes_parts_as_the_flat_keywords(tmp_path):
+    from batchrun.job.options import LabelOptions, SamplingOptions
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "x"}\n')
+    nested = batchrun.Job(rows, job_dir=tmp_path / "job", sampling=SamplingOptions(max_tokens=3),
+                          labels=LabelOptions(choices=["a", "b"]))
+    flat = batchrun.Job(rows, job_dir=tmp_path / "job", max_tokens=3, choices=["a", "b"])
+    assert nested.options == flat.options and nested.spec.options() == flat.spec.options()
+
+
 def test_the_command_line_keeps_torch_out_for_text_models_only(tmp_path):
     """In a fresh process (the CLI's own): a text model hides PyTorch from transformers, a
     vision model does not."""

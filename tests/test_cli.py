@@ -147,17 +147,19 @@ def test_help_imports_no_model_stack(args):
 
 def test_run_options_come_in_bundles_that_match_the_python_api():
     """Every option of `run` is in one bundle, listed under its heading in --help, and every
-    bundled name but the command line's own is a `batchrun.Job` keyword (RunOptions field)."""
-    import dataclasses
-
-    from batchrun.api import RunOptions
+    bundled name but the command line's own is a `batchrun.Job` keyword that RunOptions keeps
+    in the part the bundle names (or at its top)."""
     from batchrun.cli import RUN_BUNDLES
+    from batchrun.job.options import FLAT
 
     names = [n for bundle in RUN_BUNDLES for n in bundle.names]
     params = [p.name for p in cli.commands["run"].params if p.name != "input_path"]
     assert sorted(names) == sorted(params) and len(set(names)) == len(names)
-    cli_only = {n for bundle in RUN_BUNDLES for n in bundle.cli_only}
-    assert set(names) - cli_only == {f.name for f in dataclasses.fields(RunOptions)}
+    parts = {n: bundle.key for bundle in RUN_BUNDLES for n in bundle.names
+             if n not in bundle.cli_only}
+    assert set(parts) == set(FLAT)
+    assert {n: key for n, key in parts.items() if FLAT[n][0] is not None} == \
+        {n: part for n, (part, _) in FLAT.items() if part is not None}
     text = CliRunner().invoke(cli, ["run", "--help"], terminal_width=100).output
     at = [text.index(f"\n{bundle.heading}:\n") for bundle in RUN_BUNDLES]
     assert at == sorted(at) and text.index("\nExamples:\n") > at[-1]

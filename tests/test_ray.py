@@ -22,7 +22,8 @@ from batchrun.cli import cli
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.types import SamplingParams
 from batchrun.job import ray_local
-from batchrun.job.distributed import RayJobRunner, RayOptions
+from batchrun.job.distributed import RayJobRunner
+from batchrun.job.options import RayOptions
 from batchrun.job.rows import RowOptions
 from batchrun.job.spec import JobSpec
 from batchrun.models import model_fingerprint, resolve

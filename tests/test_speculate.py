@@ -690,7 +690,7 @@ def test_the_guesses_a_step_default_alike_everywhere():
     assert (f"default: {speculate.DEFAULT_DRAFT_TOKENS}; on a GPU "
             f"{DEFAULT_DRAFT_MODEL_TOKENS_GPU} for a draft model, {DEFAULT_NGRAM_TOKENS_GPU} for "
             "--speculate ngram") in " ".join(option.help.split())
-    assert api.RunOptions().draft_tokens is None  # the default, resolved where the job is planned
+    assert api.RunOptions().speculation.draft_tokens is None  # resolved where the job is planned
     assert default_draft_tokens("ngram", gpu=True) == DEFAULT_NGRAM_TOKENS_GPU == 12
     assert default_draft_tokens("draft", gpu=True) == DEFAULT_DRAFT_MODEL_TOKENS_GPU == 8
     assert default_draft_tokens("ngram", gpu=False) == default_draft_tokens("draft", gpu=False) == 6

@@ -1,9 +1,11 @@
 """The `run` command's options, bundled by topic: each bundle is a decorator that adds its
 options, and its heading is the section they are listed under in `run --help`.
 
-RUN_BUNDLES is the one table of which option (and so which `batchrun.Job` keyword, the same
-name) each bundle holds: the help is written from it and docs/cli.md prints it. Only click is
-imported here: `--help` must answer without loading the model stack.
+RUN_BUNDLES is the table of which option each bundle holds: the help is written from it and
+docs/cli.md prints it. An option is the `batchrun.Job` keyword of the same name, and its bundle's
+key is the part of job.options.RunOptions that holds it (job.options.FLAT; tests/test_cli.py
+checks the two agree). Only click is imported here: `--help` must answer without loading the
+model stack.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ class BundledOption(click.Option):
 
 @dataclass(frozen=True, slots=True)
 class Bundle:
-    """Options of one topic. `key` names the part of a nested options object that would hold
-    them; `heading` is their section in --help; `cli_only` are those the Python API does not
-    take (they steer the command, not the job)."""
+    """Options of one topic. `key` names the part of job.options.RunOptions that holds them
+    (--model, --restart and --quiet are RunOptions' own fields); `heading` is their section in
+    --help; `cli_only` are those the Python API does not take (they steer the command, not the
+    job)."""
 
     key: str
     heading: str

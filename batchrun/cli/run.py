@@ -222,7 +222,7 @@ def _run(ctx: click.Context, input_path: Path, opts: dict, spooled: list[Path],
             click.echo(f"identical rows computed once: {runner.deduplicated:,} reused", err=True)
         _say_where(spec, report["rows_failed"])
         click.echo(f"report:     {job_dir / 'report.html'}", err=True)
-        if job.options.ray_address:
+        if job.options.ray.address:
             for w in report.get("workers", []):
                 click.echo(f"worker {w['actor']}: {w['rows']:,} rows in {w['slices']} slices, "
                            f"{w['completion_tokens_per_s']:,.1f} tok/s busy ({w['node']}, "
@@ -369,10 +369,10 @@ def _prepare(job, debug: bool, dry_run: bool = False) -> None:
         raise fail(f"could not load model {job.options.model or 'demo'!r}: {e}",
                     "pass an mlx-lm model folder or a Hugging Face id with --model") from e
     o = job.options
-    if o.ray_address and not dry_run:
+    if o.ray.address and not dry_run:
         r = job.runner.ray_options
         click.echo(f"model:  {o.model or 'demo'} ({job.runner.model_path})\nray:    "
-                   f"{o.ray_address}, {r.actors} actors x {r.num_cpus:g} CPU, "
+                   f"{r.address}, {r.actors} actors x {r.num_cpus:g} CPU, "
                    f"{r.num_gpus:g} GPU", err=True)
     else:
         click.echo(describe_runtime(job.engine, o.model), err=True)

@@ -8,8 +8,8 @@ record per row. So the guarantees are the single machine's:
 - results in input order, every row exactly once (the sink refuses an index written twice);
 - a killed driver resumes from the committed frontier (slices already written are not
   recomputed; a slice in flight at the kill is);
-- a worker that dies has its slice retried on another; a slice is small (SLICE_ROWS), so a lost
-  worker costs little;
+- a worker that dies has its slice retried on another; a slice is small (--ray-slice-rows), so
+  a lost worker costs little;
 - slices are handed out as workers ask (enough in flight to fill an actor's batch, plus one),
   so a faster worker takes more;
   inside a worker, a slice's rows join the batch still decoding the previous one's;
@@ -39,12 +39,12 @@ from batchrun.engine.config import EngineConfig
 from batchrun.engine.stats import EngineStats, SpeculationStats
 from batchrun.io.jsonl import RawRow
 from batchrun.job.errors import JobError
+from batchrun.job.options import RayOptions
 from batchrun.job.rows import RowError, is_openai_line, read_error
 from batchrun.job.runner import COMMIT_INTERVAL_S, JobRunner, RowWork
 from batchrun.job.spec import JobSpec
 from batchrun.models import extra_hint
 
-SLICE_ROWS = 64  # rows per slice
 MIN_IN_FLIGHT = 2  # slices an actor holds at once, their rows in one running batch
 # What pickling a parsed row can raise: too deep for the recursion limit, or (defensively)
 # a value the pickler refuses.
@@ -53,15 +53,6 @@ UNSENDABLE = (RecursionError, pickle.PicklingError, TypeError, ValueError, Overf
 
 def ray_missing() -> str:
     return f"--ray needs Ray: {extra_hint('ray')}"
-
-
-@dataclass(slots=True)
-class RayOptions:
-    address: str  # "local" starts a cluster in this process
-    actors: int = 2
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
-    slice_rows: int = SLICE_ROWS
 
 
 @dataclass(slots=True)

@@ -1,5 +1,5 @@
-"""A job's plan: the options of `batchrun.Job` and of `batchrun run` (api.RunOptions, read by
-attribute: job/ does not import api.py) checked and turned into what runs: the job's spec (its
+"""A job's plan: the options of `batchrun.Job` and of `batchrun run` (job.options.RunOptions,
+in parts) checked and turned into what runs: the job's spec (its
 RowOptions), the engine's config and the job-wide constraint. The sampling defaults are the
 flags', else the model's generation_config.json's, else batchrun's. A bad option is a
 UsageError naming its flag, raised before the model loads."""
@@ -18,6 +18,7 @@ from batchrun.job.errors import UsageError
 
 if TYPE_CHECKING:
     from batchrun.job.limits import RowLimits
+    from batchrun.job.options import IOOptions, LabelOptions, RunOptions
 
 _SAMPLING = SamplingParams()
 log = logging.getLogger("batchrun")
@@ -82,13 +83,13 @@ def _generation_config(model: str | None) -> dict:
     return config if isinstance(config, dict) else {}
 
 
-def _sampling_defaults(o) -> tuple[dict[str, Any], dict[str, str]]:
+def _sampling_defaults(o: RunOptions) -> tuple[dict[str, Any], dict[str, str]]:
     """The job's sampling defaults: the flags, else the model's generation_config.json, else
     batchrun's; and where each came from."""
     generation = generation_defaults(o.model)
     values, sources = {}, {}
     for name in GENERATION_CONFIG_KEYS.values():
-        flag = getattr(o, name, None)
+        flag = getattr(o.sampling, name, None)  # repetition_penalty has none
         if flag is not None:
             values[name], sources[name] = flag, "flag"
         elif name in generation:
@@ -109,7 +110,7 @@ def served_names(value: str | tuple[str, ...] | list[str] | None) -> tuple[str, 
     return names
 
 
-def _input_path(input_path: Path, o) -> Path:
+def _input_path(input_path: Path, o: IOOptions) -> Path:
     """The file the job reads: the input, or for stdin the spool in the job folder."""
     from batchrun.io.readers import FORMATS, declare_format
 
@@ -131,7 +132,7 @@ def _input_path(input_path: Path, o) -> Path:
     return input_path
 
 
-def plan(input_path: Path, o):
+def plan(input_path: Path, o: RunOptions):
     """The job's spec, engine config, constraint and where its sampling defaults come from
     (UsageError if an option is bad)."""
     # The job's code loads with its spec, the engine and mlx-lm with it, before any check:
@@ -145,67 +146,70 @@ def plan(input_path: Path, o):
     from batchrun.paths import default_cache_dir
 
     from_stdin = str(input_path) == STDIN
-    for flag, value in (("--model", o.model), ("--draft-model", o.draft_model)):
+    sp, media = o.speculation, o.media
+    for flag, value in (("--model", o.model), ("--draft-model", sp.draft_model)):
         if value is not None and not str(value).strip():  # `--model "$UNSET"`: not the demo
             raise UsageError(f"{flag} is empty: pass a model folder or a Hugging Face id")
-    input_path = _input_path(input_path, o)
-    _check_template(o.prompt_template)
+    input_path = _input_path(input_path, o.io)
+    _check_template(o.labels.prompt_template)
     _check_image_column(o)
     try:
-        limits = parse_limits(o.limit)
+        limits = parse_limits(o.limits.rows)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    constraint = _constraint(o, limits)
+    constraint = _constraint(o.labels, limits)
     sampling, sources = _sampling_defaults(o)
     try:
         defaults = SamplingParams(
-            **sampling, seed=o.seed, stop=tuple(o.stop),
-            logprobs=bool(o.logprobs or o.top_logprobs), top_logprobs=o.top_logprobs,
-            constraint=constraint, max_thinking_tokens=o.max_thinking_tokens)
+            **sampling, seed=o.sampling.seed, stop=tuple(o.sampling.stop),
+            logprobs=bool(o.sampling.logprobs or o.sampling.top_logprobs),
+            top_logprobs=o.sampling.top_logprobs, constraint=constraint,
+            max_thinking_tokens=o.sampling.max_thinking_tokens)
     except ValueError as e:
         given = [k for k, v in sources.items() if v == "generation_config.json"]
         why = (f" (the model's generation_config.json sets {', '.join(given)}; a flag "
                "overrides it)") if given else ""
         raise UsageError(f"{e}{why}") from None
-    if o.draft_model and o.speculate in ("off", "ngram"):
-        log.warning("--draft-model %s is not used: --speculate is %s", o.draft_model, o.speculate)
-    method = o.speculate or ("draft" if o.draft_model else "off")
-    if o.draft_tokens is not None and method == "off":
+    if sp.draft_model and sp.method in ("off", "ngram"):
+        log.warning("--draft-model %s is not used: --speculate is %s", sp.draft_model, sp.method)
+    method = sp.method or ("draft" if sp.draft_model else "off")
+    if sp.draft_tokens is not None and method == "off":
         log.warning("--draft-tokens %s is not used: no speculation (pass --speculate ngram or "
-                    "--draft-model)", o.draft_tokens)
-    if o.speculate == "draft" and not o.draft_model:
+                    "--draft-model)", sp.draft_tokens)
+    if sp.method == "draft" and not sp.draft_model:
         raise UsageError("--speculate draft needs --draft-model (a small model made with the "
                          "same tokenizer as the model)")
     try:
-        config = EngineConfig(max_concurrency=o.max_concurrency,
-                              prefill_batch_size=o.prefill_batch_size,
-                              prefill_step_size=o.prefill_step_size,
-                              memory_utilization=o.memory_utilization,
-                              prefix_cache=not o.no_prefix_cache,
-                              shared_prefix=not o.no_shared_prefix,
+        config = EngineConfig(max_concurrency=o.limits.max_concurrency,
+                              prefill_batch_size=o.limits.prefill_batch_size,
+                              prefill_step_size=o.limits.prefill_step_size,
+                              memory_utilization=o.limits.memory_utilization,
+                              prefix_cache=not o.cache.no_prefix_cache,
+                              shared_prefix=not o.cache.no_shared_prefix,
                               speculate=method,
-                              draft_model=str(o.draft_model) if o.draft_model else None,
-                              draft_tokens=o.draft_tokens,
-                              cache_dir=str(o.cache_dir or default_cache_dir()))
+                              draft_model=str(sp.draft_model) if sp.draft_model else None,
+                              draft_tokens=sp.draft_tokens,
+                              cache_dir=str(o.cache.dir or default_cache_dir()))
     except ValueError as e:
         raise UsageError(str(e)) from None
-    job_dir = Path(o.job_dir) if o.job_dir else default_job_dir(input_path)
+    job_dir = Path(o.io.job_dir) if o.io.job_dir else default_job_dir(input_path)
     _check_job_dir_path(job_dir)
-    output = Path(o.output) if o.output else job_dir / "results.jsonl"
+    output = Path(o.io.output) if o.io.output else job_dir / "results.jsonl"
     if output.suffix.lower() in OTHER_FORMATS:
         raise UsageError(f"-o {output}: batchrun writes JSONL (.jsonl) or Parquet (.parquet), "
                          f"not {output.suffix}")
-    roots = [o.media_root] if isinstance(o.media_root, str | Path) else list(o.media_root)
-    timeout = o.media_timeout
+    roots = [media.roots] if isinstance(media.roots, str | Path) else list(media.roots)
+    timeout = media.timeout
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-        raise UsageError(f"--media-timeout must be over 0 seconds, got {o.media_timeout!r}")
-    rows = RowOptions(defaults, o.system, o.prompt_template, o.id_column, o.n,
-                      image_column=o.image_column,
+        raise UsageError(f"--media-timeout must be over 0 seconds, got {timeout!r}")
+    rows = RowOptions(defaults, o.labels.system, o.labels.prompt_template, o.io.id_column,
+                      o.sampling.n,
+                      image_column=media.image_column,
                       media_roots=tuple(Path(root).absolute() for root in roots),
-                      allow_private_urls=bool(o.allow_private_urls),
-                      media_timeout=float(o.media_timeout),
-                      served_model_names=served_names(o.served_model_name),
-                      expected_column=o.expected_column, limits=limits)
+                      allow_private_urls=bool(media.allow_private_urls),
+                      media_timeout=float(timeout),
+                      served_model_names=served_names(o.sampling.served_model_name),
+                      expected_column=o.labels.expected_column, limits=limits)
     if from_stdin:  # relative image paths in rows from stdin start at the current folder
         rows.base_dir = Path.cwd()
     spec = JobSpec(input_path, job_dir, output, o.model, rows, restart=o.restart, quiet=o.quiet)
@@ -225,10 +229,10 @@ def _check_job_dir_path(job_dir: Path) -> None:
                              "absent)")
 
 
-def _check_image_column(o) -> None:
+def _check_image_column(o: RunOptions) -> None:
     """--image-column needs a vision model: said before the model loads when its config is
     here to read (else loading it says so)."""
-    if not o.image_column or o.vision or o.ray_address:
+    if not o.media.image_column or o.media.vision or o.ray.address:
         return
     from batchrun.models import is_vision_config, read_config, resolve
 
@@ -241,7 +245,7 @@ IMAGE_COLUMN_NEEDS_VISION = ("--image-column needs a vision model (pass --model 
                              "--vision to force the vision path)")
 
 
-def _constraint(o, limits: RowLimits):
+def _constraint(o: LabelOptions, limits: RowLimits):
     """The job-wide constraint from json_schema, choices or regex (at most one), checked to
     compile as far as it can be without the model's tokenizer."""
     from batchrun.engine.types import Constraint, ConstraintError
