@@ -1,23 +1,57 @@
-"""The prefix cache's controls on the engine (the seed's cache API): enable it from the
-config, figures, clear, save to and load from a disk folder. The cache itself is
-cache/prefix.py; which rows use which blocks is prefix_plan.py."""
+"""The engine's prefix cache as a part it holds (the seed's cache API behind it): turned on from
+the config or handed in, set aside while the engine warms up, its figures, clear, save to and
+load from a disk folder, flushed and closed. The cache itself is cache/prefix.py; which rows use
+which blocks is prefix_plan.py.
+
+Invariant: the scheduler's planner is the one place the cache in use is held (None: no cache,
+or set aside), so admission and this part never disagree about it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from batchrun.cache import block_layout, make_prefix_cache
 from batchrun.cache.disk import DiskCache
 from batchrun.cache.prefix import PrefixCache
 from batchrun.engine.prefix_plan import PrefixPlanner
 
+if TYPE_CHECKING:
+    from batchrun.engine.backends.base import Backend
+    from batchrun.engine.config import EngineConfig
+    from batchrun.engine.memory import MemoryBudget
+    from batchrun.engine.scheduler import Scheduler
 
-class CacheControl:
-    """Mixed into Engine, which provides config, memory, backend, scheduler and
-    model_fingerprint."""
 
-    def enable_prefix_cache(self) -> None:
+class PrefixCacheControl:
+    """The prefix cache of one engine: its scheduler plans against it, its backend shares
+    prefixes from it, and it takes its memory from the engine's KV budget."""
+
+    def __init__(self, scheduler: Scheduler, backend: Backend, memory: MemoryBudget,
+                 config: EngineConfig, model_fingerprint: str,
+                 cache: PrefixCache | None = None):
+        self.scheduler, self.backend, self.memory = scheduler, backend, memory
+        self.config, self.model_fingerprint = config, model_fingerprint
+        self._owned = False  # enable()'s, not one handed in: close() closes it
+        self._aside: PrefixPlanner | None = None  # the planner while set_aside() holds it
+        self.cache = cache
+
+    @property
+    def cache(self) -> PrefixCache | None:
+        planner = self.scheduler.planner
+        return planner.cache if planner is not None else None
+
+    @cache.setter
+    def cache(self, cache: PrefixCache | None) -> None:
+        self.scheduler.planner = PrefixPlanner(cache) if cache is not None else None
+        self.scheduler.shares_prefix = self.backend.share_prefixes(
+            cache is not None and self.config.shared_prefix)
+
+    def enable(self) -> None:
         """The config's prefix cache (memory share and disk folder), where it can work: only
         growing KV caches can be cut into blocks (not recurrent or rotating ones)."""
         config = self.config
@@ -26,25 +60,31 @@ class CacheControl:
             return
         share = int(self.memory.budget * config.prefix_cache_fraction)
         self.memory.budget -= share  # the cached blocks live in the same memory
-        self.prefix_cache = make_prefix_cache(
+        self.cache = make_prefix_cache(
             self.model_fingerprint, share, Path(config.cache_dir) if config.cache_dir else None,
             config.prefix_block_size, layout=block_layout(self.backend.kv_model))
-        self._owns_prefix_cache = True
+        self._owned = True
 
-    @property
-    def prefix_cache(self) -> PrefixCache | None:
-        planner = self.scheduler.planner
-        return planner.cache if planner is not None else None
+    @contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """Meanwhile no row reaches the cache (the scheduler has no planner); read_ahead still
+        does."""
+        # in this order: read_ahead finds the planner in one place or the other throughout
+        self._aside, self.scheduler.planner = self.scheduler.planner, None
+        try:
+            yield
+        finally:
+            self.scheduler.planner, self._aside = self._aside, None
 
-    @prefix_cache.setter
-    def prefix_cache(self, cache: PrefixCache | None) -> None:
-        self.scheduler.planner = PrefixPlanner(cache) if cache is not None else None
-        self.scheduler.shares_prefix = self.backend.share_prefixes(
-            cache is not None and self.config.shared_prefix)
+    def read_ahead(self, prompt: list[int]) -> None:
+        """Start reading the prompt's cached blocks from disk, the cache set aside or not."""
+        planner = self.scheduler.planner or self._aside
+        if planner is not None:
+            planner.cache.read_ahead(prompt)
 
-    def get_cache_stats(self) -> dict | None:
-        """Prefix-cache figures: hits, misses, tokens served, blocks and bytes in memory."""
-        cache = self.prefix_cache
+    def stats(self) -> dict | None:
+        """Hits, misses, tokens served, blocks and bytes in memory; None without a cache."""
+        cache = self.cache
         if cache is None:
             return None
         disk = cache.disk
@@ -54,22 +94,22 @@ class CacheControl:
                 "disk_folder": str(disk.folder) if disk else None,
                 "disk_skipped": disk.skipped if disk else 0}
 
-    def clear_prefix_cache(self) -> None:
-        """Drop the in-memory prefix cache (the disk copy stays)."""
-        if self.prefix_cache is not None:
-            self.prefix_cache.clear()
+    def clear(self) -> None:
+        """Drop the in-memory blocks (the disk copy stays)."""
+        if self.cache is not None:
+            self.cache.clear()
 
-    def save_cache_to_disk(self, cache_dir: str | Path) -> int:
-        """Write every in-memory block to `cache_dir`; returns how many were written."""
+    def save(self, cache_dir: str | Path) -> int:
+        """Write every in-memory block to `cache_dir`; how many were written."""
         disk = self._disk(cache_dir)
         if disk is None:
             return 0
-        disk.save(list(self.prefix_cache.blocks.values()))
+        disk.save(list(self.cache.blocks.values()))
         disk.close()
         return disk.saved
 
-    def load_cache_from_disk(self, cache_dir: str | Path) -> int:
-        """Load this model's blocks from `cache_dir` into memory; returns how many loaded."""
+    def load(self, cache_dir: str | Path) -> int:
+        """Load this model's blocks from `cache_dir` into memory; how many loaded."""
         disk = self._disk(cache_dir)
         if disk is None:
             return 0
@@ -77,14 +117,27 @@ class CacheControl:
         for key in disk.stored_keys():  # least recently used first: the newest end up most recent
             block = disk.load(key)
             if block is not None:
-                self.prefix_cache.put(block)
+                self.cache.put(block)
                 loaded += 1
         disk.close()
         return loaded
 
-    def _disk(self, cache_dir: str | Path) -> DiskCache | None:
-        if self.prefix_cache is None:
-            return None
-        return DiskCache.open(Path(cache_dir), self.model_fingerprint,
-                              self.prefix_cache.block_size, block_layout(self.backend.kv_model))
+    def flush(self) -> None:
+        """The blocks saved on the writer thread are on disk."""
+        if self.cache is not None:
+            self.cache.flush()
 
+    def close(self) -> None:
+        """What the cache has for the disk is written; a cache enable() made lets go of its
+        threads and folder too."""
+        cache = self.cache
+        if cache is not None and self._owned:
+            cache.close()
+        elif cache is not None:
+            cache.flush()
+
+    def _disk(self, cache_dir: str | Path) -> DiskCache | None:
+        if self.cache is None:
+            return None
+        return DiskCache.open(Path(cache_dir), self.model_fingerprint, self.cache.block_size,
+                              block_layout(self.backend.kv_model))

@@ -27,16 +27,16 @@ import mlx.core as mx
 
 from batchrun.cache.prefix import Block, PrefixCache
 from batchrun.engine.backends.base import Backend
-from batchrun.engine.cache_control import CacheControl
+from batchrun.engine.cache_control import PrefixCacheControl
 from batchrun.engine.config import EngineConfig, device_defaults
 from batchrun.engine.decoding.choices import answer_choice
 from batchrun.engine.decoding.constrain import Grammars, choice_token_ids
 from batchrun.engine.decoding.reasoning import Markup, ThinkingBudget, ThinkingGate
-from batchrun.engine.generate import Requests
+from batchrun.engine.generate import is_chat, prompt_ids, sampling_params
 from batchrun.engine.kernels import host_attention
 from batchrun.engine.memory import MemoryBudget, kv_budget, measure_kv
 from batchrun.engine.postprocess import Step, StopScanner, make_output, record_logprobs
-from batchrun.engine.prefix_plan import PrefixNeeded, PrefixPlanner
+from batchrun.engine.prefix_plan import PrefixNeeded
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence, Status
 from batchrun.engine.stats import EngineStats
@@ -52,11 +52,12 @@ TIMELINE_INTERVAL_S = 0.5
 WARM_UP_PROMPTS = ((1, 16), (40, 9))
 
 
-class Engine(Requests, CacheControl):
+class Engine:
     """Add requests, call `step()` until `has_work()` is false; each step returns finished ones.
 
     `Engine(model, tokenizer, ...)` serves a text model (mlx-lm); pass `backend` for another
-    (vision_engine.py's VisionEngine does)."""
+    (vision_engine.py's VisionEngine does). Its parts: the backend, the scheduler (with the
+    memory budget), the prefix cache's control (cache_control.py) and the speculator."""
 
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None,
                  context_length: int | None = None, model_path: str = "",
@@ -83,9 +84,8 @@ class Engine(Requests, CacheControl):
         self.memory = MemoryBudget(measure_kv(backend.kv_model), budget)
         self.scheduler = Scheduler(self.memory, self.config.max_concurrency or cap,
                                    self.config.prefill_batch_size)
-        self.prefix_cache = prefix_cache
-        self._owns_prefix_cache = False  # enable_prefix_cache's, not one handed in
-        self._warm_up_planner: PrefixPlanner | None = None  # the cache's, set aside meanwhile
+        self.cache_control = PrefixCacheControl(self.scheduler, backend, self.memory,
+                                                self.config, model_fingerprint, prefix_cache)
         self._grammars: Grammars | None = None
         self._markup: Markup | None = None
         self._ids = itertools.count()
@@ -193,25 +193,28 @@ class Engine(Requests, CacheControl):
 
         if (mx.default_device() == mx.cpu and not cpu_too) or self.has_work():
             return
-        # read_ahead still reaches the cache meanwhile: set aside before it leaves the scheduler
-        planner = self._warm_up_planner = self.scheduler.planner
-        self.scheduler.planner = None
-        try:
+        with self.cache_control.set_aside():
             for start, length in WARM_UP_PROMPTS:
                 self.add_tokens([i % self.backend.vocab_size for i in range(start, start + length)],
                                 SamplingParams(max_tokens=3))
             self.run()
-        finally:
-            self.scheduler.planner, self._warm_up_planner = planner, None
         self._start_figures()
 
     def read_ahead(self, prompt: list[int]) -> None:
         """Start reading from disk the cached prefix blocks of a text prompt about to be added
         (from any thread: a job's feeder does while the engine warms up, whose rows the
         prefix cache does not see)."""
-        planner = self.scheduler.planner or self._warm_up_planner
-        if planner is not None:
-            planner.cache.read_ahead(prompt)
+        self.cache_control.read_ahead(prompt)
+
+    def add_request(self, prompt: str | list[int] | None = None,
+                    params: SamplingParams | None = None, *, messages: list[dict] | None = None,
+                    tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+                    enable_thinking: bool | None = None) -> int:
+        """Queue a request (token ids, a raw prompt, or chat messages); returns its id."""
+        ids = prompt_ids(self.prompts, prompt, messages=messages, tools=tools,
+                         chat_template_kwargs=chat_template_kwargs,
+                         enable_thinking=enable_thinking)
+        return self.add_tokens(ids, params or SamplingParams())
 
     def add_tokens(self, prompt: list[int], params: SamplingParams, inputs: Any = None) -> int:
         """Queue a request from token ids (and what the backend needs besides); its id."""
@@ -323,6 +326,24 @@ class Engine(Requests, CacheControl):
         live = sum(len(seq.tokens) for seq in self.scheduler.running.values())
         return self.stats.completion_tokens + live
 
+    def run(self) -> list[Output]:
+        """Step until every queued request has finished; outputs ordered by request id."""
+        outputs = []
+        while self.has_work():
+            outputs.extend(self.step())
+        return sorted(outputs, key=lambda o: o.request_id)
+
+    def generate(self, prompts: list[str | list[int] | list[dict]],
+                 params: SamplingParams | None = None, **sampling) -> list[Output]:
+        """Run prompts to the end: each a text, token ids, or a chat (a list of messages).
+        Sampling comes from `params` or keyword arguments (max_tokens=8, temperature=0.7...).
+        Returns one Output per prompt, in order."""
+        params = sampling_params(params, sampling)
+        ids = [self.add_request(messages=p, params=params) if is_chat(p)
+               else self.add_request(p, params) for p in prompts]
+        done = {o.request_id: o for o in self.run()}
+        return [done[i] for i in ids]
+
     def step(self) -> list[Output]:
         """Admit what fits, run one backend step; return the requests that finished."""
         with host_attention.forwards():  # the CPU's prefills, verifications, choices' scoring
@@ -342,8 +363,8 @@ class Engine(Requests, CacheControl):
                               len({s.uid for s in steps}))
         finished, self._finished = self._finished, []
         self.stats.requests_finished += len(finished)
-        if not self.has_work() and self.prefix_cache is not None:
-            self.prefix_cache.flush()  # idle: the blocks saved on the writer thread are on disk
+        if not self.has_work():
+            self.cache_control.flush()  # idle: the blocks saved on the writer thread are on disk
         return finished
 
     def _admit(self) -> None:
@@ -472,14 +493,37 @@ class Engine(Requests, CacheControl):
             self.stats.timeline.append((round(t, 3), self.stats.prompt_tokens,
                                         self.generated_tokens, self.num_running))
 
+    # -- the prefix cache (cache_control.py) ----------------------------------------------------
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The prefix cache rows start from (None: none, or set aside by the warm-up)."""
+        return self.cache_control.cache
+
+    def enable_prefix_cache(self) -> None:
+        """Turn on the config's prefix cache, where the model's KV cache can be cut into blocks."""
+        self.cache_control.enable()
+
+    def get_cache_stats(self) -> dict | None:
+        """Prefix-cache figures: hits, misses, tokens served, blocks and bytes in memory."""
+        return self.cache_control.stats()
+
+    def clear_prefix_cache(self) -> None:
+        """Drop the in-memory prefix cache (the disk copy stays)."""
+        self.cache_control.clear()
+
+    def save_cache_to_disk(self, cache_dir: str | Path) -> int:
+        """Write every in-memory block to `cache_dir`; returns how many were written."""
+        return self.cache_control.save(cache_dir)
+
+    def load_cache_from_disk(self, cache_dir: str | Path) -> int:
+        """Load this model's blocks from `cache_dir` into memory; returns how many loaded."""
+        return self.cache_control.load(cache_dir)
+
     def close(self) -> None:
         """The engine is done: what its prefix cache has for the disk is written, and a cache
         it made itself (Engine.load's) lets go of its threads and folder."""
-        cache = self.prefix_cache
-        if cache is not None and self._owns_prefix_cache:
-            cache.close()
-        elif cache is not None:
-            cache.flush()
+        self.cache_control.close()
         self.backend.close()
 
 

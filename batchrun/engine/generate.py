@@ -1,52 +1,39 @@
-"""The engine's convenience surface (the seed's API): requests as text, token ids or chat
-messages; run to the end; generate a list of prompts in one call."""
+"""Requests as the seed's API takes them (text, token ids or chat messages) made into the token
+ids the engine speaks, and the sampling of a `generate` call; Engine.add_request and
+Engine.generate are these over the engine's prompts and add_tokens."""
 
 from __future__ import annotations
 
-from batchrun.engine.types import Output, SamplingParams
+from typing import Any
+
+from batchrun.engine.types import SamplingParams
 
 
-class Requests:
-    """Mixed into Engine, which provides prompts, add_tokens, has_work and step."""
-
-    def add_request(self, prompt: str | list[int] | None = None,
-                    params: SamplingParams | None = None, *, messages: list[dict] | None = None,
-                    tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
-                    enable_thinking: bool | None = None) -> int:
-        """Queue a request (token ids, a raw prompt, or chat messages); returns its id."""
-        if (prompt is None) == (messages is None):
-            raise ValueError("give exactly one of prompt (text or token ids) and messages")
-        if messages is not None:
-            ids = self.prompts.encode_chat(messages, tools=tools, enable_thinking=enable_thinking,
-                                           chat_template_kwargs=chat_template_kwargs)
-        elif isinstance(prompt, str):
-            ids = self.prompts.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        return self.add_tokens(ids, params or SamplingParams())
-
-    def run(self) -> list[Output]:
-        """Step until every queued request has finished; outputs ordered by request id."""
-        outputs = []
-        while self.has_work():
-            outputs.extend(self.step())
-        return sorted(outputs, key=lambda o: o.request_id)
-
-    def generate(self, prompts: list[str | list[int] | list[dict]],
-                 params: SamplingParams | None = None, **sampling) -> list[Output]:
-        """Run prompts to the end: each a text, token ids, or a chat (a list of messages).
-        Sampling comes from `params` or keyword arguments (max_tokens=8, temperature=0.7...).
-        Returns one Output per prompt, in order."""
-        if params is None:
-            params = SamplingParams(**sampling)
-        elif sampling:
-            raise ValueError("give sampling as params or as keyword arguments, not both")
-        ids = [self.add_request(messages=p, params=params) if _is_chat(p)
-               else self.add_request(p, params) for p in prompts]
-        done = {o.request_id: o for o in self.run()}
-        return [done[i] for i in ids]
+def prompt_ids(prompts: Any, prompt: str | list[int] | None = None, *,
+               messages: list[dict] | None = None, tools: list[dict] | None = None,
+               chat_template_kwargs: dict | None = None,
+               enable_thinking: bool | None = None) -> list[int]:
+    """A request's token ids (from token ids, a raw prompt, or chat messages), encoded with a
+    backend's prompts."""
+    if (prompt is None) == (messages is None):
+        raise ValueError("give exactly one of prompt (text or token ids) and messages")
+    if messages is not None:
+        return prompts.encode_chat(messages, tools=tools, enable_thinking=enable_thinking,
+                                   chat_template_kwargs=chat_template_kwargs)
+    if isinstance(prompt, str):
+        return prompts.encode(prompt)
+    return [int(t) for t in prompt]
 
 
+def sampling_params(params: SamplingParams | None, keywords: dict) -> SamplingParams:
+    """`generate`'s sampling: `params`, or SamplingParams of the keyword arguments."""
+    if params is None:
+        return SamplingParams(**keywords)
+    if keywords:
+        raise ValueError("give sampling as params or as keyword arguments, not both")
+    return params
 
-def _is_chat(prompt: object) -> bool:
+
+def is_chat(prompt: object) -> bool:
+    """Whether a `generate` prompt is a chat (a list of messages)."""
     return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
