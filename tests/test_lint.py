@@ -108,3 +108,16 @@ def test_no_import_runs_back_up_the_engine_floors():
     assert not upward, ("an engine module imports from a floor above its own (order: "
                         + " < ".join(name for name, _ in ENGINE_LAYERS) + "):\n  "
                         + "\n  ".join(upward))
+
+
+def test_every_package_of_batchrun_is_listed_for_installation():
+    """pyproject.toml lists the packages by hand: a new subpackage left out installs from a
+    checkout (editable) but not from a wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts)
+             for p in (ROOT / "batchrun").rglob("__init__.py")}
+    assert found == listed, f"add to pyproject.toml: {sorted(found - listed)}; " \
+                            f"remove: {sorted(listed - found)}"
