@@ -182,6 +182,20 @@ def test_prompts_templates_and_choices_over_their_limits_are_row_errors(tmp_path
     assert [r["index"] for r in jsonl(job / "results.jsonl")] == [0]
 
 
+def test_many_empty_messages_or_huge_tools_count_against_the_prompt_limit(tmp_path):
+    rows = [{"messages": [{"role": "user", "content": ""}] * 2000, "max_tokens": 2},
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+             "tools": [{"type": "function", "function": {"name": f"f{i}"}} for i in range(500)]},
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}]
+    path = write_rows(tmp_path / "in.jsonl", rows)
+    job = tmp_path / "job"
+    result = invoke("run", path, "--job-dir", job, "--quiet", "--limit", "prompt-chars=20000")
+    assert result.exit_code == 0, result.output
+    codes = {e["index"]: e["error"]["code"] for e in jsonl(job / "errors.jsonl")}
+    assert codes == {0: "prompt_too_long", 1: "prompt_too_long"}
+    assert [r["index"] for r in jsonl(job / "results.jsonl")] == [2]
+
+
 def test_a_template_width_from_a_row_is_checked_before_it_is_rendered(tmp_path):
     rows = [{"review": "good", "w": 5}, {"review": "bad", "w": 2_000_000_000},
             {"review": "ok", "w": 10**15}]

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from batchrun.engine.backends.prompt import PromptBuilder, PromptError
 from batchrun.engine.decoding.constrain import response_format_constraint
 from batchrun.engine.types import Constraint, ConstraintError, SamplingParams
@@ -323,7 +325,8 @@ def _prompt_ids(body: dict, openai: str | None, prompts: PromptBuilder, options:
     else:
         raise RowRejected("missing_prompt", "the row has no 'prompt' or 'messages' field "
                                             "(or pass --prompt-template to build one from columns)")
-    _check_prompt_size(_text_chars(messages), _messages_field(openai), options.limits)
+    _check_prompt_size(_text_chars(messages) + _json_chars(body.get("tools")),
+                       _messages_field(openai), options.limits)
     if options.system and isinstance(messages, list) and not _has_system(messages):
         messages = [{"role": "system", "content": options.system}, *messages]
     kwargs = body.get("chat_template_kwargs")
@@ -449,19 +452,41 @@ def _check_prompt_size(chars: int, field: str, limits: RowLimits) -> None:
                           "could take; --limit prompt-chars=N sets it)")
 
 
+MARKUP_CHARS = 16  # the least a message or a content part adds to a prompt (role markers)
+
+
 def _text_chars(messages: Any) -> int:
-    """Characters of text in chat messages (their string content and text parts)."""
+    """What chat messages add to a prompt, in characters: their text, their other fields (tool
+    calls, names) as JSON, and markup for each message and part (a million empty messages
+    render a prompt of millions of tokens). Images are not text: their own limit holds."""
     if not isinstance(messages, list):
         return 0
     total = 0
     for m in messages:
-        content = m.get("content") if isinstance(m, dict) else None
+        total += MARKUP_CHARS
+        if not isinstance(m, dict):
+            continue
+        content = m.get("content")
         if isinstance(content, str):
             total += len(content)
         elif isinstance(content, list):
-            total += sum(len(p["text"]) for p in content
-                         if isinstance(p, dict) and isinstance(p.get("text"), str))
+            total += MARKUP_CHARS * len(content) + sum(
+                len(p["text"]) for p in content
+                if isinstance(p, dict) and isinstance(p.get("text"), str))
+        total += sum(_json_chars(v) for k, v in m.items() if k not in ("content", "role"))
     return total
+
+
+def _json_chars(value: Any) -> int:
+    """A value's size as the JSON a template writes it in (tools, tool calls)."""
+    if value is None:
+        return 0
+    if isinstance(value, str):
+        return len(value)
+    try:
+        return len(orjson.dumps(value))
+    except (TypeError, orjson.JSONEncodeError):
+        return 0  # not JSON: the template says what is wrong with it
 
 
 class _BoundedFormatter(string.Formatter):
