@@ -220,6 +220,31 @@ def test_the_job_choices_and_the_limit_flag_are_checked_before_the_model_loads(t
         assert result.exit_code == 2 and "--limit" in result.output, bad
 
 
+def test_choices_within_each_limit_but_too_large_together_are_refused(tmp_path):
+    rows = [{"prompt": "pick", "max_tokens": 4,
+             "guided_choice": [f"{i:04d}" + "x" * 1000 for i in range(1024)]},
+            {"prompt": "pick", "max_tokens": 4, "guided_choice": ["yes", "no"]}]
+    path = write_rows(tmp_path / "in.jsonl", rows)
+    job = tmp_path / "job"
+    result = invoke("run", path, "--job-dir", job, "--quiet")
+    assert result.exit_code == 0, result.output
+    (error,) = jsonl(job / "errors.jsonl")
+    assert error["index"] == 0 and "choices-chars" in error["error"]["message"]
+    assert [r["index"] for r in jsonl(job / "results.jsonl")] == [1]
+
+
+def test_a_template_naming_no_column_and_a_limit_too_large_are_usage_errors(tmp_path):
+    path = write_rows(tmp_path / "in.jsonl", [{"review": "good"}])
+    for template in ("{0}", "{}", "{review.__class__}"):
+        result = invoke("run", path, "--job-dir", tmp_path / "job", "--prompt-template",
+                        template)
+        assert result.exit_code == 2 and "does not name a column" in result.output, template
+    for value in ("9223372036854775807", "100000000000G"):
+        result = invoke("run", path, "--job-dir", tmp_path / "job", "--limit",
+                        f"row-bytes={value}")
+        assert result.exit_code == 2 and "between 1 and" in result.output, value
+
+
 def test_limits_parse_sizes_and_resolve_the_prompt_limit_from_the_context():
     limits = parse_limits(["row-bytes=128M", "choices=5000", "image_bytes=1k"])
     assert (limits.row_bytes, limits.choices, limits.image_bytes) == (128 << 20, 5000, 1024)

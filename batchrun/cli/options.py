@@ -189,7 +189,8 @@ limit_options = Bundle("limits", "Engine and row limits", (
            help="prompt tokens a row computes per forward pass while prefilling"),
     option("--limit", multiple=True, metavar="NAME=VALUE",
            help="raise or lower a row size limit (repeatable): row-bytes, prompt-chars, "
-                "choices, choice-chars, image-bytes; sizes take K, M, G [docs/limits.md]"),
+                "choices, choice-chars, choices-chars, image-bytes; sizes take K, M, G "
+                "[docs/limits.md]"),
 ))
 
 control_options = Bundle("control", "Job control", (

@@ -28,6 +28,9 @@ class RowLimits:
     prompt_chars: int | None = None
     choices: int = 1024  # alternatives of one --choices / guided_choice
     choice_chars: int = 1024  # characters of one alternative
+    # Characters of all alternatives together: choices are scored in one forward pass of
+    # (alternatives x the longest one) tokens, which 1,024 x 1,024 characters took past 5 GB.
+    choices_chars: int = 16384
     image_bytes: int | None = None  # one image's encoded bytes; None: io.media.MAX_BYTES
 
     def for_context(self, context_length: int | None) -> RowLimits:
@@ -77,9 +80,13 @@ def _size(name: object, value: object) -> int:
             raise ValueError(f"--limit {name}={value}: the value must be a whole number, "
                              "optionally with K, M or G")
         number = int(match.group(1)) * _UNITS[match.group(2)]
-    if number < 1:
-        raise ValueError(f"--limit {name}={value}: the value must be at least 1")
+    if not 1 <= number <= MAX_VALUE:
+        raise ValueError(f"--limit {name}={value}: the value must be between 1 and "
+                         f"{MAX_VALUE:,}")
     return number
+
+
+MAX_VALUE = 1 << 50  # past any machine's memory; larger numbers overflow indexes
 
 
 def image_cache(limits: RowLimits):

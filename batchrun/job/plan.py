@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -304,7 +305,12 @@ def _check_template(template: str | None) -> None:
     if not template.strip():
         raise UsageError("--prompt-template must not be empty")
     try:
-        list(string.Formatter().parse(template))
+        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
     except ValueError as e:
         raise UsageError(f"--prompt-template {template!r}: {e} (write {{{{ and }}}} for "
                          "literal braces)") from None
+    for name in fields:  # a column by name, or an item of one: {col} {col[key]}
+        column = re.split(r"[.\[]", name, maxsplit=1)[0]
+        if not column or column.isdigit() or "." in name:
+            raise UsageError(f"--prompt-template: {{{name}}} does not name a column: write "
+                             "{column} or {column[key]} (no positions or attributes)")

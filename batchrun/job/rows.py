@@ -436,6 +436,11 @@ def check_choices(choices: Any, limits: RowLimits, field: str) -> None:
     if len(choices) > limits.choices:
         raise RowRejected("too_many_choices", f"{field} has {len(choices):,} choices, over the "
                           f"limit of {limits.choices:,} (--limit choices=N raises it)")
+    total = sum(len(c) for c in choices if isinstance(c, str))
+    if total > limits.choices_chars:
+        raise RowRejected("too_many_choices", f"{field}'s choices hold {total:,} characters "
+                          f"together, over the limit of {limits.choices_chars:,} (--limit "
+                          "choices-chars=N raises it)")
     longest = max((len(c) for c in choices if isinstance(c, str)), default=0)
     if longest > limits.choice_chars:
         raise RowRejected("choice_too_long", f"{field} has a choice of {longest:,} characters, "

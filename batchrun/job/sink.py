@@ -64,7 +64,7 @@ def tokens_of(outs) -> tuple[int, int, int]:
 # A spill is rewritten once it is this many times the size of the rows it holds back, and
 # over SPILL_SLACK bytes (a rewrite costs a write of the held rows and an fsync).
 SPILL_GROWTH = 4
-SPILL_SLACK = 1 << 20
+SPILL_SLACK = 64 << 10
 
 
 class OrderedSink:
