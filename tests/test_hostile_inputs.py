@@ -413,3 +413,15 @@ def test_the_stdin_spool_helper_replaces_a_planted_link(tmp_path):
     spool(io.BytesIO(b'{"prompt": "a"}\n'), partial)
     assert victim.read_bytes() == b"keep" and not partial.is_symlink()
     assert Path(partial).read_bytes() == b'{"prompt": "a"}\n'
+
+
+def test_temporary_files_a_killed_write_left_are_removed_on_resume(tmp_path):
+    path = write_rows(tmp_path / "in.jsonl", rows_of(2))
+    job = tmp_path / "job"
+    assert invoke("run", path, "--job-dir", job, "--quiet", "--restart").exit_code == 0
+    for name in (".spill.jsonl.abc123.tmp", ".state.json.x9.tmp", ".report.html.q.tmp"):
+        (job / name).write_bytes(b"left by a kill")
+    (job / ".mine.tmp").write_bytes(b"not ours")
+    (job / "results.jsonl").write_bytes(b"")  # something to do: the job runs again
+    assert invoke("run", path, "--job-dir", job, "--quiet").exit_code == 0
+    assert sorted(p.name for p in job.glob(".*.tmp")) == [".mine.tmp"]

@@ -79,3 +79,18 @@ def fsync_folder(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def remove_stale_temps(folder: Path, names: frozenset[str]) -> int:
+    """Remove the temporary files `write_atomic` left in `folder` for any of `names` when the
+    process was killed mid-write (`.NAME.XXXX.tmp`); returns how many. Held under the job's
+    lock, so no write of them is in flight."""
+    removed = 0
+    for entry in os.scandir(folder):
+        stem = entry.name[1:].rsplit(".", 2)[0] if entry.name.startswith(".") else ""
+        if entry.name.endswith(".tmp") and stem in names and not entry.is_dir(
+                follow_symlinks=False):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed += 1
+    return removed

@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from batchrun.engine.engine import Engine
 from batchrun.engine.types import FinishReason, Output
+from batchrun.io.files import remove_stale_temps
 from batchrun.io.jsonl import InputError, RawRow
 from batchrun.io.parquet_output import ParquetOutput
 from batchrun.io.readers import read_rows
@@ -232,6 +233,7 @@ class JobRunner(RowWork):
         mf.save_manifest(spec.job_dir, new)
         # What one atomic write costs on this disk: a commit makes about three.
         self._write_cost = time.perf_counter() - start
+        remove_stale_temps(spec.job_dir, ownership.WRITTEN)  # a write a kill cut short
         recovery = recover(self.state, read_rows(spec.input, 0, spec.rows.limits.row_bytes),
                            self._expected_id,
                            self._remember_id)
