@@ -31,6 +31,8 @@ class Recovery:
     progress: Progress
     spilled: dict[int, Record] = field(default_factory=dict)  # finished rows past the frontier
     problems: list[str] = field(default_factory=list)  # how the files disagreed with state.json
+    # Running SHA-256 of the results and errors files as kept (the sink goes on from them).
+    digests: tuple = ()
 
 
 def recover(state: JobState, rows: Iterator[RawRow], expected_id: Callable[[RawRow], str],
@@ -102,7 +104,7 @@ def recover(state: JobState, rows: Iterator[RawRow], expected_id: Callable[[RawR
     if saved is not None and _counted(saved) != _counted(progress):
         problems.append(_difference(saved, progress))
     state.progress = progress
-    return Recovery(progress, kept, problems)
+    return Recovery(progress, kept, problems, (results.digest, errors.digest))
 
 
 class _Lines:

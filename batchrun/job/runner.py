@@ -191,6 +191,7 @@ class JobRunner(RowWork):
         self._interrupted = 0  # the signal (STOP_SIGNALS) that asked the job to stop
         self._seen_ids: dict[bytes, int] = {}  # hash of an explicit row id -> its first line
         self._spilled: dict[int, Record] = {}  # rows finished past the frontier, from the spill
+        self._digests: tuple = ()  # recovery's running digests of the ordered files
         self._parquet: ParquetOutput | None = None  # -o *.parquet, written as rows commit
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -241,6 +242,7 @@ class JobRunner(RowWork):
             log.warning("%s: %s; resuming from what the files hold", spec.job_dir,
                         "; ".join(recovery.problems))
         self._spilled = recovery.spilled
+        self._digests = recovery.digests
         p = recovery.progress
         if p.rows_done + p.rows_failed:
             log.info("resuming: %s of %s rows done (%s failed), %s to go",
@@ -277,7 +279,7 @@ class JobRunner(RowWork):
         self._start_progress = dataclasses.replace(progress)
         status = "completed"
         sink = OrderedSink(spec.results_path, spec.errors_path, self.state.spill_path, progress,
-                           self._spilled)
+                           self._spilled, self._digests)
         bar = tqdm(total=self.rows_total, initial=progress.rows_done + progress.rows_failed,
                    unit="row", disable=spec.quiet, dynamic_ncols=True, smoothing=0.1)
         last = {"commit": time.perf_counter(), "bar": time.perf_counter(),

@@ -72,16 +72,19 @@ class OrderedSink:
     that describes exactly what it has written (counts include spilled rows)."""
 
     def __init__(self, results: Path, errors: Path, spill: Path, progress: Progress,
-                 recovered: dict[int, Record] | None = None):
+                 recovered: dict[int, Record] | None = None, digests: tuple = ()):
         self.progress = dataclasses.replace(progress)
         self._spill_path = Path(spill)
         # Held open for the sink's life; close() closes them.
         self._results = open_append(results)
         self._errors = open_append(errors)
         self._spill = open_append(spill)
-        # Running digests of what the ordered files hold (state.json records them).
-        self._results_digest = file_digest(results, progress.results_bytes)
-        self._errors_digest = file_digest(errors, progress.errors_bytes)
+        # Running digests of what the ordered files hold (state.json records them): recovery's,
+        # which read the files already, else read here.
+        self._results_digest, self._errors_digest = (
+            (d.copy() for d in digests) if digests else
+            (file_digest(results, progress.results_bytes),
+             file_digest(errors, progress.errors_bytes)))
         self._held: dict[int, Record] = dict(recovered or {})
         # The spill lines of held rows (a row next in order is never spilled), by row.
         self._spilled = {i: len(r.spill_line()) for i, r in self._held.items()}
