@@ -20,6 +20,22 @@ class MediaError(Exception):
         return MediaError(self.code, self.detail, field)
 
 
+def read_bounded(read, max_bytes: int) -> bytes:
+    """Everything `read(n)` gives (n: bytes still allowed, plus one) until it gives nothing;
+    MediaError once past `max_bytes`, never holding more than one byte over it."""
+    chunks = []
+    size = 0
+    while size <= max_bytes:
+        chunk = read(max_bytes + 1 - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    if size > max_bytes:
+        raise _too_large(size, max_bytes)
+    return b"".join(chunks)
+
+
 def _too_large(size: int, max_bytes: int, at_least: bool = False) -> MediaError:
     return MediaError("image_too_large", f"the image is {'at least ' * at_least}"
                       f"{size / 1e6:.1f} MB, over the {max_bytes / 1e6:g} MB limit; resize or "

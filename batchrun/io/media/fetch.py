@@ -18,7 +18,7 @@ import urllib.request
 from http import HTTPStatus
 from urllib.parse import unquote, urljoin, urlsplit
 
-from batchrun.io.media.errors import MediaError, _too_large
+from batchrun.io.media.errors import MediaError, _too_large, read_bounded
 from batchrun.io.media.policy import MediaPolicy
 
 MAX_REDIRECTS = 5
@@ -128,17 +128,7 @@ def _fetch_once(url: str, hop_url: str, hop: int, max_bytes: int, policy: MediaP
 
 
 def _read_body(response: http.client.HTTPResponse, max_bytes: int) -> bytes:
-    chunks = []
-    size = 0
-    while size <= max_bytes:
-        chunk = response.read1(min(1 << 16, max_bytes + 1 - size))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-    if size > max_bytes:
-        raise _too_large(size, max_bytes)
-    return b"".join(chunks)
+    return read_bounded(lambda n: response.read1(min(1 << 16, n)), max_bytes)
 
 
 def _network_error(e: BaseException, where: str, watch: _Watchdog,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
-from batchrun.io.media.errors import MediaError, _too_large
+from batchrun.io.media.errors import MediaError, _too_large, read_bounded
 from batchrun.io.media.policy import MediaPolicy
 
 
@@ -176,14 +176,4 @@ def _file_errors(local: _LocalPath) -> Iterator[None]:
 
 
 def _read_fd(fd: int, max_bytes: int) -> bytes:
-    chunks = []
-    size = 0
-    while size <= max_bytes:
-        chunk = os.read(fd, max_bytes + 1 - size)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-    if size > max_bytes:
-        raise _too_large(size, max_bytes)
-    return b"".join(chunks)
+    return read_bounded(lambda n: os.read(fd, n), max_bytes)
