@@ -55,6 +55,10 @@ class EngineConfig:
     speculate: str = "off"
     draft_model: str | None = None
     draft_tokens: int | None = None
+    # How a loaded model's weights are held (models/weights.py): "auto" (the device's plan:
+    # dequantized / float32 where it is faster and fits), "quantized" (as loaded) or
+    # "dequantized" (every quantized layer, whatever the memory).
+    weights: str = "auto"
 
     def __post_init__(self) -> None:
         _check(self.max_concurrency is None or self.max_concurrency >= 1, "max_concurrency",
@@ -74,6 +78,8 @@ class EngineConfig:
             self.draft_tokens = default_draft_tokens(self.speculate)
         _check(isinstance(self.draft_tokens, int) and 1 <= self.draft_tokens <= 16,
                "draft_tokens", self.draft_tokens, "an integer in [1, 16]")
+        _check(self.weights in ("auto", "quantized", "dequantized"), "weights", self.weights,
+               'one of "auto", "quantized", "dequantized"')
 
 
 # (concurrency cap, prefill token budget) by device. Measured: on this 2-core CPU a prefill of

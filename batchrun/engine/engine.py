@@ -62,7 +62,7 @@ class Engine:
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig | None = None,
                  context_length: int | None = None, model_path: str = "",
                  prefix_cache: PrefixCache | None = None, model_fingerprint: str = "",
-                 backend: Backend | None = None):
+                 backend: Backend | None = None, weight_plan: WeightPlan | None = None):
         if backend is None:
             from batchrun.engine.backends.text import TextBackend
 
@@ -78,6 +78,10 @@ class Engine:
         self.context_length = context_length
         self.model_path = model_path
         self.model_fingerprint = model_fingerprint
+        # How load() held the weights (None: as given); the prefix cache's key includes it.
+        self.weight_plan = weight_plan
+        cache_key = weight_plan.cache_key(model_fingerprint) if weight_plan and \
+            model_fingerprint else model_fingerprint
         budget = self.config.kv_budget_bytes
         if budget is None:
             budget = kv_budget(model, self.config.memory_utilization)
@@ -85,7 +89,7 @@ class Engine:
         self.scheduler = Scheduler(self.memory, self.config.max_concurrency or cap,
                                    self.config.prefill_batch_size)
         self.cache_control = PrefixCacheControl(self.scheduler, backend, self.memory,
-                                                self.config, model_fingerprint, prefix_cache)
+                                                self.config, cache_key, prefix_cache)
         self._grammars: Grammars | None = None
         self._markup: Markup | None = None
         self._ids = itertools.count()
@@ -149,9 +153,13 @@ class Engine:
     def load(cls, model: str | None = None, config: EngineConfig | None = None,
              **engine_options) -> Engine:
         """Load a model (None: the demo model); options as EngineConfig's fields."""
+        from batchrun.models.weights import plan_and_apply
+
+        config = config or EngineConfig(**engine_options)
         loaded = cls._load_model(model)
-        engine = cls(loaded.model, loaded.tokenizer, config or EngineConfig(**engine_options),
-                     loaded.context_length, loaded.path, model_fingerprint=loaded.fingerprint)
+        plan = plan_and_apply(loaded.model, config.weights, config.memory_utilization)
+        engine = cls(loaded.model, loaded.tokenizer, config, loaded.context_length, loaded.path,
+                     model_fingerprint=loaded.fingerprint, weight_plan=plan)
         engine.enable_prefix_cache()
         return engine
 

@@ -9,6 +9,7 @@ from batchrun.engine.backends.vision import VisionBackend, VisionInputs
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.types import SamplingParams
+from batchrun.models.weights import WeightPlan
 
 
 class VisionEngine(Engine):
@@ -17,11 +18,11 @@ class VisionEngine(Engine):
 
     def __init__(self, model: Any, processor: Any, config: EngineConfig | None = None,
                  context_length: int | None = None, model_path: str = "",
-                 model_fingerprint: str = ""):
+                 model_fingerprint: str = "", weight_plan: WeightPlan | None = None):
         self.processor = processor
         super().__init__(model, None, config, context_length, model_path,
                          model_fingerprint=model_fingerprint,
-                         backend=VisionBackend(model, processor))
+                         backend=VisionBackend(model, processor), weight_plan=weight_plan)
 
     @staticmethod
     def _load_model(model: str | None):

@@ -185,14 +185,33 @@ def tokenizer_config(chat_template: str) -> dict:
     }
 
 
-def build(out: str | Path, shape: str = "demo", seed: int = 0) -> Path:
-    """Write a complete model folder to `out`."""
+def build(out: str | Path, shape: str = "demo", seed: int = 0, quantize: str = "none") -> Path:
+    """Write a complete model folder to `out`; `quantize` as families.QUANTIZATIONS names
+    ("4bit": a 4-bit twin of the shape, quantized as mlx-lm's converter does)."""
     spec = SHAPES[shape]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     config = model_folder(out, spec, seed, shape)
     _write_weights(out / "model.safetensors", config, spec, seed)
+    if quantize != "none":
+        _quantize_folder(out, config, quantize)
     return out
+
+
+def _quantize_folder(out: Path, config: dict, quantize: str) -> None:
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    from batchrun.models.families import parse_quantization
+
+    quant = parse_quantization(quantize)
+    if quant["recipe"]:
+        raise ValueError(f"{quantize}: the Llama shapes take plain 4bit / 8bit / mxfp4")
+    model, _ = load_model(out)
+    model, config = quantize_model(model, config, quant["group_size"], quant["bits"],
+                                   mode=quant["mode"])
+    (out / "model.safetensors").unlink()
+    save_model(out, model)
+    save_config(config, out / "config.json")
 
 
 def model_folder(out: Path, spec: Shape, seed: int, shape: str,
