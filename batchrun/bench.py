@@ -22,6 +22,7 @@ from batchrun.engine.engine import Engine
 from batchrun.engine.types import SamplingParams
 from batchrun.models import LoadedModel, load_model
 from batchrun.models.random_model import SHAPES, build, corpus
+from batchrun.models.weights import WeightPlan, plan_and_apply
 
 
 @dataclass(slots=True)
@@ -130,17 +131,34 @@ def run_hand_cached(lm: LoadedModel, w: Workload, concurrency: int) -> Measureme
                        w.prompt_tokens, sum(len(t) for t in out.token_ids))
 
 
+_planned: dict[str, tuple[LoadedModel, WeightPlan]] = {}
+
+
+def planned(lm: LoadedModel) -> tuple[LoadedModel, WeightPlan]:
+    """The model as batchrun's engine holds it (its weight plan, ENGINE_OPTIONS' `weights`):
+    a second copy, loaded once, so that the mlx-lm systems run the model as loaded."""
+    mode = ENGINE_OPTIONS.get("weights", "auto")
+    key = f"{lm.path}:{mode}"
+    if key not in _planned:
+        copy = load_model(lm.path)
+        _planned[key] = copy, plan_and_apply(copy.model, mode)
+        if not _planned[key][1].changed:  # as loaded: the peers' copy serves
+            _planned[key] = lm, _planned[key][1]
+    return _planned[key]
+
+
 def run_batchrun(lm: LoadedModel, w: Workload, concurrency: int, cache_dir: Path | None = None,
                  name: str = "batchrun engine", shared_prefix: bool = True) -> Measurement:
     """batchrun's engine; with `cache_dir`, a prefix cache backed by that folder."""
+    lm, plan = planned(lm)
     cache = None
     if cache_dir is not None:
-        cache = make_prefix_cache(lm.fingerprint, 1 << 30, cache_dir,
+        cache = make_prefix_cache(plan.cache_key(lm.fingerprint), 1 << 30, cache_dir,
                                   layout=block_layout(lm.model))
     config = EngineConfig(max_concurrency=concurrency, shared_prefix=shared_prefix,
                           **ENGINE_OPTIONS)
     engine = Engine(lm.model, lm.tokenizer, config, lm.context_length, prefix_cache=cache,
-                    model_fingerprint=lm.fingerprint)
+                    model_fingerprint=lm.fingerprint, weight_plan=plan)
     start = time.perf_counter()
     for prompt, max_tokens in zip(w.prompts, w.max_tokens, strict=True):
         engine.add_tokens(prompt, SamplingParams(max_tokens=max_tokens))
@@ -173,13 +191,16 @@ SYSTEMS = {
 }
 
 
-def model_for(model: str | None, shape: str | None, cache_dir: Path) -> LoadedModel:
+def model_for(model: str | None, shape: str | None, cache_dir: Path,
+              quantize: str = "none") -> LoadedModel:
+    """The model to measure: `model`, or the random-weight `shape` (quantized as `quantize`
+    says: families.QUANTIZATIONS), built once into `cache_dir`."""
     if shape:
         if shape not in SHAPES:
             raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
-        path = cache_dir / f"shape-{shape}"
+        path = cache_dir / (f"shape-{shape}" + ("" if quantize == "none" else f"-{quantize}"))
         if not (path / "config.json").exists():
-            build(path, shape)
+            build(path, shape, quantize=quantize)
         return load_model(str(path))
     return load_model(model)
 

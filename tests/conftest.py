@@ -23,6 +23,7 @@ LAYER = {
     "test_demo_model.py": "engine", "test_engine.py": "engine",
     "test_engine_backends.py": "engine", "test_faults.py": "engine",
     "test_host_attention.py": "engine", "test_prefix_cache.py": "engine",
+    "test_quantized.py": "engine",
     "test_reasoning.py": "engine", "test_request_fields.py": "engine",
     "test_shared_prefix.py": "engine", "test_shared_prefix_150m.py": "engine",
     "test_speculate.py": "engine", "test_tokens.py": "engine", "test_training.py": "engine",

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from batchrun.models.families import QUANTIZATIONS
 from batchrun.paths import default_cache_dir
 
 
@@ -14,6 +15,13 @@ from batchrun.paths import default_cache_dir
               help="mlx-lm model folder or Hugging Face id [env BATCHRUN_MODEL]")
 @click.option("--shape", default=None, help="random-weight model of a named shape: "
               "demo, 150m, llama-1b (built once into the cache folder)")
+@click.option("--quantize", type=click.Choice(QUANTIZATIONS), default="none",
+              show_default=True, help="with --shape: its quantized twin (as mlx-lm's converter "
+              "makes it)")
+@click.option("--weights", type=click.Choice(["auto", "quantized", "dequantized"]),
+              default="auto", show_default=True,
+              help="how batchrun holds a quantized model (run's --weights); the mlx-lm "
+                   "systems run it as loaded")
 @click.option("--workload", type=click.Choice(["short", "mixed", "mixed512", "labeling"]),
               default="mixed", show_default=True,
               help="short: 16-32 prompt tokens; mixed: 8-1,500 prompt and 16-256 new tokens; "
@@ -34,7 +42,7 @@ from batchrun.paths import default_cache_dir
               help="batchrun's prefill batch (default: the engine's)")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None,
               help="also write the figures to this JSON file")
-def bench(model: str | None, shape: str | None, workload: str, rows: int, max_tokens: int,
+def bench(model: str | None, shape: str | None, quantize: str, weights: str, workload: str, rows: int, max_tokens: int,
           max_concurrency: int, systems: str, prefill_batch_size: int | None,
           json_out: Path | None) -> None:
     """Side-by-side throughput: sequential mlx-lm, batch_generate and batchrun."""
@@ -49,21 +57,28 @@ def bench(model: str | None, shape: str | None, workload: str, rows: int, max_to
                                  param_hint="--systems")
     if prefill_batch_size:
         b.ENGINE_OPTIONS["prefill_batch_size"] = prefill_batch_size
-    lm = b.model_for(model, shape, default_cache_dir())
+    if quantize != "none" and not shape:
+        raise click.BadParameter("takes a --shape", param_hint="--quantize")
+    b.ENGINE_OPTIONS["weights"] = weights
+    lm = b.model_for(model, shape, default_cache_dir(), quantize)
     w = b.make_workload(lm.tokenizer, workload, rows, max_tokens)
+    name = (f"{shape}" + ("" if quantize == "none" else f" {quantize}")) if shape else \
+        (model or "demo")
     max_tokens_text = (f"{min(w.max_tokens)}-{max(w.max_tokens)}"
                        if len(set(w.max_tokens)) > 1 else str(max_tokens))
     info = b.machine()
     click.echo(f"{info['date']} · {info['device']} {info['device_name']} · {info['cpus']} cpus · "
-               f"BLAS {info['blas']}\nmodel {shape or model or 'demo'}: {w.name} workload, "
+               f"BLAS {info['blas']}\nmodel {name}: {w.name} workload, "
                f"{rows} rows, {w.prompt_tokens:,} prompt tokens, {max_tokens_text} new tokens "
                f"each, concurrency {max_concurrency}")
     results = b.benchmark(lm, w, names, max_concurrency)
     click.echo(b.table(results))
+    if any(n in ("batchrun", "prefix", "prefix_copies") for n in names):
+        click.echo(f"batchrun's weights: {b.planned(lm)[1].describe()}")
     if json_out:
         from batchrun.io.files import write_atomic
 
-        write_atomic(json_out, orjson.dumps({"machine": info, "model": shape or model or "demo",
+        write_atomic(json_out, orjson.dumps({"machine": info, "model": name,
                                              "workload": w.name, "rows": rows,
                                              "max_tokens": max_tokens,
                                              "results": b.as_dict(results)},

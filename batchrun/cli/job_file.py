@@ -21,7 +21,7 @@ JOB_FILE_KEYS = ("input", "model", "output", "job_dir", "format", "max_concurren
                  "max_thinking_tokens", "served_model_name", "system",
                  "prompt_template", "id_column", "expected_column", "memory_utilization",
                  "prefill_batch_size",
-                 "prefill_step_size", "cache_dir", "no_prefix_cache", "no_shared_prefix",
+                 "prefill_step_size", "weights", "cache_dir", "no_prefix_cache", "no_shared_prefix",
                  "speculate", "draft_model", "draft_tokens", "json_schema", "choices",
                  "regex", "n", "logprobs", "top_logprobs", "image_column", "media_root",
                  "allow_private_urls", "media_timeout", "vision", "ray_address",

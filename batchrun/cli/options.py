@@ -187,6 +187,11 @@ limit_options = Bundle("limits", "Engine and row limits", (
                 "prefill token budget)"),
     option("--prefill-step-size", type=click.IntRange(min=1), default=2048, show_default=True,
            help="prompt tokens a row computes per forward pass while prefilling"),
+    option("--weights", type=click.Choice(["auto", "quantized", "dequantized"]),
+           default="auto", show_default=True,
+           help="how a quantized model's weights are held: auto dequantizes them once where "
+                "that is faster and fits (a GPU; a CPU holds every weight in float32), "
+                "quantized keeps them as loaded [docs/cpu-and-gpu.md]"),
     option("--limit", multiple=True, metavar="NAME=VALUE",
            help="raise or lower a row size limit (repeatable): row-bytes, prompt-chars, "
                 "choices, choice-chars, choices-chars, image-bytes; sizes take K, M, G "

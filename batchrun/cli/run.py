@@ -463,6 +463,9 @@ def describe_runtime(engine, model: str | None) -> str:
     lines = [f"model:  {model or 'demo'} ({engine.model_path})", f"device: {where}"]
     if device == mx.cpu:
         lines.append(f"BLAS:   {blas.verify().describe()}")
+    plan = getattr(engine, "weight_plan", None)
+    if plan is not None and (plan.quantization or plan.changed):
+        lines.append(f"weights: {plan.describe()}")
     lines.append(f"batch:  up to {engine.max_concurrency} sequences, KV budget "
                  f"{engine.memory.budget / 2**30:.1f} GiB")
     return "\n".join(lines)

@@ -41,6 +41,7 @@ from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence, Status
 from batchrun.engine.stats import EngineStats
 from batchrun.engine.types import ConstraintError, FinishReason, Output, SamplingParams
+from batchrun.models.weights import WeightPlan
 
 log = logging.getLogger("batchrun")
 

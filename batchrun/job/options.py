@@ -117,6 +117,7 @@ class LimitOptions:
     memory_utilization: float = 0.85
     prefill_batch_size: int | None = None  # None: rows are bounded by tokens (the device's)
     prefill_step_size: int = 2048
+    weights: str = "auto"  # how a quantized model is held: auto, quantized, dequantized
     # Row size limits as NAME=VALUE items or a mapping (job.limits.RowLimits; docs/limits.md).
     rows: tuple[str, ...] | dict | None = _flat("limit", None)
 

@@ -185,6 +185,7 @@ def plan(input_path: Path, o: RunOptions):
                               prefill_batch_size=o.limits.prefill_batch_size,
                               prefill_step_size=o.limits.prefill_step_size,
                               memory_utilization=o.limits.memory_utilization,
+                              weights=o.limits.weights,
                               prefix_cache=not o.cache.no_prefix_cache,
                               shared_prefix=not o.cache.no_shared_prefix,
                               speculate=method,

@@ -425,8 +425,11 @@ class JobRunner(RowWork):
                            self.engine.max_concurrency, wall)
         run["models_requested"] = dict(self.models_requested)
         run["speculation"] = rp.speculation_settings(self.engine.config)
+        plan = getattr(self.engine, "weight_plan", None)
+        run["weights"] = plan.to_dict() if plan is not None else None
         self.report = rp.build_report(self.manifest, progress, self.rows_total, [*runs, run],
                                       self.device)
+        self.report["weights"] = run["weights"]  # how this start held the model's weights
         requested: Counter[str] = Counter()
         for entry in self.report["runs"]:
             requested.update(entry.get("models_requested") or {})
