@@ -82,6 +82,8 @@ def test_greedy_tokens_equal_mlx_lms_alone_batched_cold_and_warm(models, kind, t
                                                     cache_dir=str(tmp_path / str(concurrency))))
             assert engine.weight_plan.held == "dequantized"
             assert not quantized_layers(engine.model)
+            # a mixture of experts' layers group the rows by expert on the CPU
+            assert (engine.weight_plan.grouped > 0) == (KINDS[kind][0] in ("qwen3_moe", "gpt_oss"))
             outs = engine.generate(rows, SamplingParams(max_tokens=8))
             if kind in NO_PREFIX_CACHE:
                 assert engine.get_cache_stats() is None

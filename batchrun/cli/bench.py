@@ -42,9 +42,9 @@ from batchrun.paths import default_cache_dir
               help="batchrun's prefill batch (default: the engine's)")
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None,
               help="also write the figures to this JSON file")
-def bench(model: str | None, shape: str | None, quantize: str, weights: str, workload: str, rows: int, max_tokens: int,
-          max_concurrency: int, systems: str, prefill_batch_size: int | None,
-          json_out: Path | None) -> None:
+def bench(model: str | None, shape: str | None, quantize: str, weights: str, workload: str,
+          rows: int, max_tokens: int, max_concurrency: int, systems: str,
+          prefill_batch_size: int | None, json_out: Path | None) -> None:
     """Side-by-side throughput: sequential mlx-lm, batch_generate and batchrun."""
     import orjson
 

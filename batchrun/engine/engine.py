@@ -119,6 +119,10 @@ class Engine:
             name = self.config.draft_model
             try:
                 loaded = load_model(name)
+                from batchrun.models.weights import plan_and_apply
+
+                plan_and_apply(loaded.model, self.config.weights,  # held as the model is
+                               self.config.memory_utilization)
             except Exception as e:
                 raise DraftModelError(f"the draft model {name} could not be loaded: {e}") \
                     from e

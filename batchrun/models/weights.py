@@ -24,11 +24,16 @@ the KV a prompt gives (rounding), so it salts the prefix cache's key.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import mlx.nn as nn
+
 MODES = ("auto", "quantized", "dequantized")
+# Routed rows (rows x experts a row) from which GroupedSwitchLinear groups them by expert.
+GROUP_MIN_ROWS = 256
 # The converted weights may take at most this share of the usable memory (the rest: KV cache,
 # activations).
 WEIGHT_SHARE = 0.5
@@ -47,6 +52,7 @@ class WeightPlan:
     converted: int = 0  # layers dequantized
     kept: int = 0  # quantized layers kept quantized
     widened: int = 0  # half-precision arrays widened to float32 (CPU)
+    grouped: int = 0  # expert layers computed a group of rows an expert (CPU)
     bytes_before: int = 0
     bytes_after: int = 0
     reason: str = ""
@@ -66,6 +72,8 @@ class WeightPlan:
         what = {"float32": "held in float32"}.get(self.held, f"{self.held} to {self.dtype}")
         if self.kept:
             what += f" ({self.converted} layers; {self.kept} kept quantized)"
+        if self.grouped:
+            what += f", experts grouped by row ({self.grouped} layers)"
         return f"{fmt}, {what} ({size})" + (f": {self.reason}" if self.reason else "")
 
     def to_dict(self) -> dict:
@@ -205,6 +213,8 @@ def plan_and_apply(model: Any, mode: str = "auto", memory_utilization: float = 0
         total += grow
     _convert(model, chosen, dtype)
     plan.widened = _widen(model) if widen else 0
+    if device == "cpu":
+        plan.grouped = group_experts(model)
     plan.converted, plan.kept = len(chosen), len(layers) - len(chosen)
     plan.layers = dict(Counter(type(m).__name__.removeprefix("Quantized") for _, m in chosen))
     plan.dtype = _dtype_name(dtype) if plan.changed else ""
@@ -285,3 +295,50 @@ def _widen(model: Any) -> int:
         mx.eval(wide)
         model.update(tree_unflatten([(k, wide)]))
     return len(half)
+
+
+class GroupedSwitchLinear(nn.Module):
+    """mlx-lm's SwitchLinear (a mixture of experts' layer, weight (experts, out, in)) computed
+    as one BLAS matmul an expert over the rows routed to it, on the CPU, from GROUP_MIN_ROWS
+    routed rows on: MLX's CPU gather_mm took 4-8x as long from 1,024 routed rows (64 experts,
+    1,024 x 512; BENCHMARKS.md, "Quantized and mixture-of-experts models"), and less below
+    about 256. The routing is read on the host, so a step's graph is evaluated up to it: on
+    the CPU that costs little; on a GPU it would cut the step's graph (GPUs keep gather_mm)."""
+
+    def __init__(self, layer: Any):
+        super().__init__()
+        self.weight = layer.weight
+        if "bias" in layer:
+            self.bias = layer.bias
+
+    def __call__(self, x, indices, sorted_indices=False):
+        import mlx.core as mx
+        import numpy as np
+
+        batch = tuple(np.broadcast_shapes(x.shape[:-2], indices.shape))
+        if x.shape[-2] != 1 or math.prod(batch) < GROUP_MIN_ROWS:  # mlx-lm's own way
+            out = mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=indices,
+                               sorted_indices=sorted_indices)
+            return out + mx.expand_dims(self.bias[indices], -2) if "bias" in self else out
+        rows = mx.broadcast_to(x, (*batch, *x.shape[-2:])).reshape(-1, x.shape[-1])
+        routed = np.asarray(mx.broadcast_to(indices, batch).reshape(-1))
+        order = np.argsort(routed, kind="stable")
+        experts, starts = np.unique(routed[order], return_index=True)
+        ends = [*starts[1:], len(order)]
+        parts = []
+        for e, a, b in zip(experts.tolist(), starts.tolist(), ends, strict=True):
+            part = rows[mx.array(order[a:b])] @ self.weight[e].T
+            parts.append(part + self.bias[e] if "bias" in self else part)
+        out = mx.concatenate(parts)[mx.array(np.argsort(order))]
+        return out.reshape(*batch, 1, out.shape[-1])
+
+
+def group_experts(model: Any) -> int:
+    """Every unquantized expert layer of `model` made a GroupedSwitchLinear; how many."""
+    from mlx.utils import tree_unflatten
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    found = [(name, m) for name, m in model.named_modules() if type(m) is SwitchLinear]
+    if found:
+        model.update_modules(tree_unflatten([(n, GroupedSwitchLinear(m)) for n, m in found]))
+    return len(found)
