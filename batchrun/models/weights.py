@@ -33,7 +33,7 @@ import mlx.nn as nn
 
 MODES = ("auto", "quantized", "dequantized")
 # Routed rows (rows x experts a row) from which GroupedSwitchLinear groups them by expert.
-GROUP_MIN_ROWS = 256
+GROUP_MIN_ROWS = 512
 # The converted weights may take at most this share of the usable memory (the rest: KV cache,
 # activations).
 WEIGHT_SHARE = 0.5
@@ -301,8 +301,8 @@ class GroupedSwitchLinear(nn.Module):
     """mlx-lm's SwitchLinear (a mixture of experts' layer, weight (experts, out, in)) computed
     as one BLAS matmul an expert over the rows routed to it, on the CPU, from GROUP_MIN_ROWS
     routed rows on: MLX's CPU gather_mm took 4-8x as long from 1,024 routed rows (64 experts,
-    1,024 x 512; BENCHMARKS.md, "Quantized and mixture-of-experts models"), and less below
-    about 256. The routing is read on the host, so a step's graph is evaluated up to it: on
+    1,024 x 512; BENCHMARKS.md, "Quantized and mixture-of-experts models"), and as long at
+    256. The routing is read on the host, so a step's graph is evaluated up to it: on
     the CPU that costs little; on a GPU it would cut the step's graph (GPUs keep gather_mm)."""
 
     def __init__(self, layer: Any):
