@@ -4,6 +4,7 @@
 #
 #     bash scripts/bench_quantized_gpu.sh dense   # qwen3 bench shape: 4-bit and its bf16 twin
 #     bash scripts/bench_quantized_gpu.sh moe     # qwen3_moe bench shape: bf16 and 4-bit
+#     bash scripts/bench_quantized_gpu.sh probe moedecode agree   # the follow-ups below
 #
 # Run from the repository root after the wheel set-up line of shared/gpu/README.md (or, on a
 # machine still warm from it, alone: the environment is set up again from /tmp/site). Models are
@@ -20,6 +21,11 @@
 #          decode (1,024 rows x 256 tokens, batchrun and batch_generate@256,1024) for 4-bit auto,
 #          bf16, then 4-bit --weights quantized (batchrun only).
 #   moe:   builds, throwaways, labeling and decode for bf16 and 4-bit (auto weights).
+#   probe: which expert operations fail past how many routed rows (probe_expert_rows.py).
+#   moedecode: the moe phase's decode items alone (builds and throwaways first).
+#   agree: greedy tokens of batchrun (auto weights) against mlx-lm's own generation of the
+#          4-bit model as loaded, on the labeling rows (check_greedy_agreement.py): qwen3 4-bit,
+#          then the 4-bit mixture of experts.
 # Sizes can be shrunk for a dry run on a CPU: BQ_SIZE=tiny BQ_LAB_ROWS=8 BQ_LAB_WORDS=100
 # BQ_TOKENS=8 BQ_DEC_ROWS=8 BQ_DEC_CONC=8 ...
 set -u
@@ -72,6 +78,8 @@ item() {
     echo "{\"item\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - t0)), \"error\": \"$why\"}" >>"$res"
   fi
   ITEM_S=$((SECONDS - t0))
+  [ $rc -eq 0 ] && case $name in probe-*|agree-*)
+    echo "{\"item\": \"$name\", \"rc\": 0, \"seconds\": $ITEM_S}" >>"$res" ;; esac
   return $rc
 }
 
@@ -190,6 +198,8 @@ for line in open(path):
             print(f"  {x['system']:22} job {x['wall_s']:7.2f} s  {x['tokens']:7d} tok  "
                   f"{x['tokens_per_s']:8.0f} tok/s  peak {peak:6.2f} GiB"
                   + (f"  process {x['process_s']:6.2f} s" if "process_s" in x else ""))
+    else:
+        print(f"{name}: ok in {r.get('seconds')} s")
     plans = {k: (v or {}).get("held") for k, v in (r.get("weights") or {}).items()}
     if plans:
         print(f"  weight plans: {plans}")
@@ -224,10 +234,34 @@ moe() {
   decode moe moe-q4-auto "$q" batchrun,batch_generate
 }
 
+probe() {
+  item probe probe-experts 300 60 $PY scripts/probe_expert_rows.py "$OUT/probe" \
+    --tokens "${BQ_PROBE_TOKENS:-8192,16384,112000}"
+}
+
+moedecode() {
+  local q=$W/models/moe-4bit b=$W/models/moe-bf16
+  builds moedecode moe-bf16 qwen3_moe none moe-4bit qwen3_moe 4bit || return 1
+  prime moedecode moe-bf16 "$b"
+  prime moedecode moe-q4-auto "$q"
+  decode moedecode moe-bf16 "$b" batchrun,batch_generate
+  decode moedecode moe-q4-auto "$q" batchrun,batch_generate
+}
+
+agree() {
+  local q=$W/models/qwen3-4bit m=$W/models/moe-4bit
+  build qwen3-4bit qwen3 4bit || return 1
+  item agree agree-q4 300 120 $PY scripts/check_greedy_agreement.py "$q" "$OUT/agree-q4" \
+    --rows "$LAB_ROWS" --instruction "$LAB_WORDS" --max-tokens "$LAB_TOKENS"
+  build moe-4bit qwen3_moe 4bit || return 1
+  item agree agree-moe-q4 300 120 $PY scripts/check_greedy_agreement.py "$m" \
+    "$OUT/agree-moe-q4" --rows "$LAB_ROWS" --instruction "$LAB_WORDS" --max-tokens "$LAB_TOKENS"
+}
+
 for phase in "$@"; do
   case $phase in
-    dense|moe) ;;
-    *) echo "unknown phase $phase (dense, moe)" >&2; exit 2 ;;
+    dense|moe|probe|moedecode|agree) ;;
+    *) echo "unknown phase $phase (dense, moe, probe, moedecode, agree)" >&2; exit 2 ;;
   esac
   {
     echo "== phase $phase: $(date -u +%FT%TZ), $(nvidia-smi --query-gpu=name,memory.total \

@@ -152,6 +152,13 @@ def test_on_cuda_layers_take_the_models_dtype_and_experts_come_last(tmp_path):
     assert plan.held == "dequantized" and not quantized_layers(model)
     assert any(isinstance(m, SwitchLinear) and m.weight.dtype == mx.bfloat16
                for _, m in model.named_modules())
+    # on CUDA, whatever the mode, an expert block takes at most the kernels' routed rows a call
+    from batchrun.models.weights import CUDA_ROUTED_ROWS
+    for mode in ("quantized", "auto"):
+        model, _ = load(str(path))
+        plan_and_apply(model, mode, device="cuda")
+        blocks = [m for _, m in model.named_modules() if hasattr(m, "_max_routed")]
+        assert len(blocks) == 2 and all(m._max_routed == CUDA_ROUTED_ROWS for m in blocks)
 
 
 def test_metal_keeps_quantized_weights_by_default(models):
@@ -201,3 +208,30 @@ def test_every_family_builds_a_folder_mlx_lm_loads(family, tmp_path):
     assert quantized_layers(model)
     logits = model(mx.array(tokenizer.encode("The kettle"))[None])
     assert logits.shape[-1] >= len(tokenizer._tokenizer) and mx.all(mx.isfinite(logits))
+
+
+@pytest.mark.parametrize("kind", ["moe-4bit", "gpt-oss-mxfp4"])
+def test_experts_sliced_to_a_routed_row_limit_give_the_same_tokens(models, kind, monkeypatch):
+    """CUDA caps the routed rows one expert kernel takes; past a limit the experts run in
+    slices of whole rows: the same tokens and logits as one call, prefill and decode."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    from batchrun.models.weights import slice_experts
+
+    rows = labeling_rows(6)
+    model, tokenizer = load(str(models[kind]))
+    whole = mlx_lm_greedy(model, tokenizer, rows, 6)
+    ids = mx.array([tokenizer.apply_chat_template(rows[0], add_generation_prompt=True)])
+    logits = model(ids)
+    names = [k for k, _ in tree_flatten(model.parameters())]
+    assert slice_experts(model, 5) == 2  # one block a layer; 2 rows a slice at 2 experts a row
+    assert slice_experts(model, 5) == 0  # already sliced: only the limit is set
+    assert [k for k, _ in tree_flatten(model.parameters())] == names
+    calls = []
+    real = SwitchGLU.__call__
+    monkeypatch.setattr(SwitchGLU, "__call__",
+                        lambda self, x, i: calls.append(i.size) or real(self, x, i))
+    assert mx.array_equal(model(ids), logits)
+    assert max(calls) <= 5 and len(calls) == 2 * -(-ids.shape[1] // 2)
+    assert mlx_lm_greedy(model, tokenizer, rows, 6) == whole

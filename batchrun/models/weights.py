@@ -34,6 +34,10 @@ import mlx.nn as nn
 MODES = ("auto", "quantized", "dequantized")
 # Routed rows (rows x experts a row) from which GroupedSwitchLinear groups them by expert.
 GROUP_MIN_ROWS = 512
+# Routed rows (rows x experts a row) one call of a mixture of experts' layer may take on CUDA:
+# MLX's CUDA expert kernels put the routed rows on a grid axis CUDA caps at 65,535 (a launch
+# past it fails, "invalid argument"). Larger calls run in slices of whole rows.
+CUDA_ROUTED_ROWS = 65535
 # The converted weights may take at most this share of the usable memory (the rest: KV cache,
 # activations).
 WEIGHT_SHARE = 0.5
@@ -186,6 +190,8 @@ def plan_and_apply(model: Any, mode: str = "auto", memory_utilization: float = 0
     before = weights_bytes(model)
     plan = WeightPlan(mode, device, "as loaded", "", fmt, kept=len(layers), bytes_before=before,
                       bytes_after=before)
+    if device == "cuda":
+        slice_experts(model, CUDA_ROUTED_ROWS)
     if mode == "quantized":
         plan.reason = "--weights quantized"
         return plan
@@ -342,3 +348,45 @@ def group_experts(model: Any) -> int:
     if found:
         model.update_modules(tree_unflatten([(n, GroupedSwitchLinear(m)) for n, m in found]))
     return len(found)
+
+
+def _sliced_call(self, x, indices):
+    """A mixture of experts' layer over at most `_max_routed` routed rows a call: the rows
+    (leading axes of `indices`, experts a row last) in slices of whole rows, each slice's
+    result the same as the whole call's rows (a row's experts never depend on other rows)."""
+    import mlx.core as mx
+
+    k = indices.shape[-1]
+    lead = indices.shape[:-1]
+    rows = math.prod(lead)
+    if rows * k <= self._max_routed or x.shape[:-1] != lead:
+        return super(type(self), self).__call__(x, indices)
+    flat_x, flat_i = x.reshape(rows, x.shape[-1]), indices.reshape(rows, k)
+    step = max(1, self._max_routed // k)
+    parts = [super(type(self), self).__call__(flat_x[a:a + step], flat_i[a:a + step])
+             for a in range(0, rows, step)]
+    out = mx.concatenate(parts)
+    return out.reshape(*lead, *out.shape[1:])
+
+
+_SLICED: dict[type, type] = {}
+
+
+def slice_experts(model: Any, max_routed: int) -> int:
+    """Every mixture-of-experts block (mlx-lm's SwitchGLU / SwitchMLP) of `model` made to run
+    at most `max_routed` routed rows a call; how many. The block keeps its class's behaviour
+    and its parameters' names (its class becomes a subclass with `_sliced_call`)."""
+    from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
+
+    count = 0
+    for _, m in model.named_modules():
+        if not isinstance(m, (SwitchGLU, SwitchMLP)):
+            continue
+        cls = type(m)
+        if cls not in _SLICED.values():
+            if cls not in _SLICED:
+                _SLICED[cls] = type(f"Sliced{cls.__name__}", (cls,), {"__call__": _sliced_call})
+            m.__class__ = _SLICED[cls]
+            count += 1
+        m._max_routed = max_routed
+    return count
