@@ -7,6 +7,7 @@ Every system is a fresh process timed from start to exit (imports and model load
 the same chat rows: a ~N-token system instruction (few-shot examples) + one review.
 - batchrun: `batchrun run` cold (empty cache folder), then warm (a new job, same cache folder);
 - copies: the same with --no-shared-prefix (each row holds a copy of the prefix's KV);
+- nocache: the same with --no-prefix-cache (every row computes its whole prompt);
 - masked: the same with BATCHRUN_DECODE_KERNEL=0 (decode steps through MLX's attention and
   mlx-lm's mask instead of the ranged decode kernel);
 - peer: a careful mlx-lm user: the common prefix prefilled once, a copy of its KV cache given
@@ -116,8 +117,9 @@ def main() -> None:
     results: dict[str, float] = {}
     details: dict[str, dict] = {}
     for system in args.systems.split(","):
-        if system in ("batchrun", "copies", "masked"):
-            extra = ["--no-shared-prefix"] if system == "copies" else []
+        if system in ("batchrun", "copies", "masked", "nocache"):
+            extra = {"copies": ["--no-shared-prefix"],
+                     "nocache": ["--no-prefix-cache"]}.get(system, [])
             # masked: decode steps through MLX's attention and mlx-lm's mask, not the kernel
             env = {**os.environ, "BATCHRUN_DECODE_KERNEL": "0"} if system == "masked" else None
             cache = out / f"cache-{system}"
@@ -127,10 +129,13 @@ def main() -> None:
                 name = f"batchrun run ({system}, {run})"
                 results[name] = timed([*batchrun, *extra, "--job-dir", str(job),
                                        "--cache-dir", str(cache), "--restart"], out, env)
-                last = json.loads((job / "report.json").read_text())["runs"][-1]
+                report = json.loads((job / "report.json").read_text())
+                last = report["runs"][-1]
                 details[name] = {k: last[k] for k in ("peak_memory_bytes", "mean_batch_size",
                                                       "prefill_time_s", "decode_time_s",
                                                       "wall_s")}
+                details[name]["cached_share"] = round(
+                    report["cached_prompt_tokens"] / max(1, report["prompt_tokens"]), 3)
         elif system in ("peer", "batch_generate"):
             name = ("mlx-lm, prefix prefilled once (peer)" if system == "peer"
                     else "mlx-lm batch_generate")
@@ -143,15 +148,17 @@ def main() -> None:
     # wall s: the whole process; job s: after imports and the model's load (batchrun: the
     # report's wall, the peer: its own timer), and its ratio to the peer's.
     lines = [f"{'system':44} {'wall s':>8} {'rows/s':>8} {'vs peer':>8} {'vs plain':>9} "
-             f"{'job s':>7} {'job vs peer':>11} {'peak GiB':>9}"]
+             f"{'job s':>7} {'job vs peer':>11} {'peak GiB':>9} {'cached':>7}"]
     for name, wall in results.items():
         vs_peer = peer_s / wall if peer_s else 0
         vs_plain = plain_s / wall if plain_s else 0
         job = details.get(name, {}).get("wall_s", 0)
         job_vs_peer = peer_job / job if peer_job and job else 0
         peak = details.get(name, {}).get("peak_memory_bytes", 0) / 2**30
+        cached = details.get(name, {}).get("cached_share")
         lines.append(f"{name:44} {wall:8.2f} {args.rows / wall:8.1f} {vs_peer:7.2f}x "
-                     f"{vs_plain:8.2f}x {job:7.2f} {job_vs_peer:10.2f}x {peak:9.2f}")
+                     f"{vs_plain:8.2f}x {job:7.2f} {job_vs_peer:10.2f}x {peak:9.2f} "
+                     f"{'' if cached is None else f'{cached:.0%}':>7}")
     print("\n".join(lines))
     (out / "labeling.json").write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d"), "rows": args.rows, "instruction_words":

@@ -5,6 +5,7 @@
 #     bash scripts/bench_quantized_gpu.sh dense   # qwen3 bench shape: 4-bit and its bf16 twin
 #     bash scripts/bench_quantized_gpu.sh moe     # qwen3_moe bench shape: bf16 and 4-bit
 #     bash scripts/bench_quantized_gpu.sh probe moedecode agree   # the follow-ups below
+#     bash scripts/bench_quantized_gpu.sh sliding # gemma3 and gpt_oss bench shapes, bf16
 #
 # Run from the repository root after the wheel set-up line of shared/gpu/README.md (or, on a
 # machine still warm from it, alone: the environment is set up again from /tmp/site). Models are
@@ -26,6 +27,8 @@
 #   agree: greedy tokens of batchrun (auto weights) against mlx-lm's own generation of the
 #          4-bit model as loaded, on the labeling rows (check_greedy_agreement.py): qwen3 4-bit,
 #          then the 4-bit mixture of experts.
+#   sliding: labeling (batchrun cold/warm, the peer) for the sliding-window shapes (gemma3 and
+#          gpt_oss, bf16): rows start from cached blocks, each holding its copy of them.
 # Sizes can be shrunk for a dry run on a CPU: BQ_SIZE=tiny BQ_LAB_ROWS=8 BQ_LAB_WORDS=100
 # BQ_TOKENS=8 BQ_DEC_ROWS=8 BQ_DEC_CONC=8 ...
 set -u
@@ -258,10 +261,19 @@ agree() {
     "$OUT/agree-moe-q4" --rows "$LAB_ROWS" --instruction "$LAB_WORDS" --max-tokens "$LAB_TOKENS"
 }
 
+sliding() {
+  local g=$W/models/gemma3-bf16 o=$W/models/gptoss-bf16
+  builds sliding gemma3-bf16 gemma3 none gptoss-bf16 gpt_oss none || return 1
+  prime sliding gemma3-bf16 "$g"
+  prime sliding gptoss-bf16 "$o"
+  labeling sliding gemma3-bf16 "$g" batchrun,peer
+  labeling sliding gptoss-bf16 "$o" batchrun,peer
+}
+
 for phase in "$@"; do
   case $phase in
-    dense|moe|probe|moedecode|agree) ;;
-    *) echo "unknown phase $phase (dense, moe, probe, moedecode, agree)" >&2; exit 2 ;;
+    dense|moe|probe|moedecode|agree|sliding) ;;
+    *) echo "unknown phase $phase (dense, moe, probe, moedecode, agree, sliding)" >&2; exit 2 ;;
   esac
   {
     echo "== phase $phase: $(date -u +%FT%TZ), $(nvidia-smi --query-gpu=name,memory.total \

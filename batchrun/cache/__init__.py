@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from batchrun.cache.disk import DEFAULT_CAP_BYTES, DiskCache, default_cache_dir
-from batchrun.cache.layout import BlockLayout, block_layout
+from batchrun.cache.layout import BlockLayout, block_layout, layer_windows
 from batchrun.cache.prefix import DEFAULT_BLOCK_SIZE, PrefixCache
 
-__all__ = ["PrefixCache", "DiskCache", "BlockLayout", "block_layout", "make_prefix_cache",
-           "default_cache_dir"]
+__all__ = ["PrefixCache", "DiskCache", "BlockLayout", "block_layout", "layer_windows",
+           "make_prefix_cache", "default_cache_dir"]
 
 
 def make_prefix_cache(model_fingerprint: str, budget_bytes: int, cache_dir: Path | None,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 DEFAULT_BLOCK_SIZE = 64
 
@@ -282,5 +282,26 @@ class PrefixCache:
             k = mx.concatenate([b.keys[layer] for b in blocks], axis=2)
             v = mx.concatenate([b.values[layer] for b in blocks], axis=2)
             c.keys, c.values, c.offset = k, v, k.shape[2]  # mlx-lm's and mlx-vlm's alike
+            caches.append(c)
+        return caches
+
+    @staticmethod
+    def to_row_caches(blocks: list[Block], windows: tuple[int | None, ...]) -> list:
+        """A row's caches starting after `blocks`: a growing layer's hold all of their KV, a
+        sliding layer's (window w) the last w positions, as mlx-lm's RotatingKVCache holds
+        them after a prompt (its batch cache keeps no more when it merges rows)."""
+        caches = []
+        for layer, window in enumerate(windows):
+            k = mx.concatenate([b.keys[layer] for b in blocks], axis=2)
+            v = mx.concatenate([b.values[layer] for b in blocks], axis=2)
+            n = k.shape[2]
+            if window is None:
+                c = KVCache()
+                c.keys, c.values, c.offset = k, v, n
+            else:
+                kept = min(n, window)
+                c = RotatingKVCache(max_size=window)
+                c.keys, c.values = k[..., n - kept:, :], v[..., n - kept:, :]
+                c.offset, c._idx = n, kept
             caches.append(c)
         return caches

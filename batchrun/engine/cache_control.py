@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from batchrun.cache import block_layout, make_prefix_cache
+from batchrun.cache import block_layout, layer_windows, make_prefix_cache
 from batchrun.cache.disk import DiskCache
 from batchrun.cache.prefix import PrefixCache
 from batchrun.engine.prefix_plan import PrefixPlanner
@@ -52,11 +52,14 @@ class PrefixCacheControl:
             cache is not None and self.config.shared_prefix)
 
     def enable(self) -> None:
-        """The config's prefix cache (memory share and disk folder), where it can work: only
-        growing KV caches can be cut into blocks (not recurrent or rotating ones)."""
+        """The config's prefix cache (memory share and disk folder), where it can work: KV
+        caches, growing or sliding windows where the backend builds rows from those (not
+        recurrent layers)."""
         config = self.config
-        if not (config.prefix_cache and self.backend.prefix_cache
-                and self.memory.footprint.per_sequence == 0):
+        if not (config.prefix_cache and self.backend.prefix_cache):
+            return
+        windows = layer_windows(self.backend.kv_model)
+        if windows is None or (any(windows) and not self.backend.windowed_prefixes):
             return
         share = int(self.memory.budget * config.prefix_cache_fraction)
         self.memory.budget -= share  # the cached blocks live in the same memory

@@ -31,9 +31,11 @@ def measure_kv(model: nn.Module) -> KVFootprint:
     per_token = fixed = 0
     for c in cache:
         keys = getattr(c, "keys", None)
-        growing = keys is not None and not hasattr(c, "max_size")
-        if growing:
+        window = getattr(c, "max_size", None)
+        if keys is not None and window is None:
             per_token += c.nbytes // keys.shape[-2]
+        elif keys is not None and isinstance(window, int) and window > 0:
+            fixed += c.nbytes // keys.shape[-2] * window  # a sliding window, once full
         else:
             fixed += c.nbytes
     return KVFootprint(per_token, fixed)

@@ -26,6 +26,7 @@ class Backend(Protocol):
     accepts_images: bool  # rows may carry images (add_tokens' `inputs`)
     scores_choices: bool  # choices rows are scored from the prompt's KV (choices.py)
     prefix_cache: bool  # rows can start from cached prefix blocks
+    windowed_prefixes: bool  # ... of a model with sliding-window layers too
 
     def start(self, max_concurrency: int, config: EngineConfig) -> None:
         """A fresh, empty batch (dropping the old one, after a fault)."""

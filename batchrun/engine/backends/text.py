@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from batchrun.cache.prefix import Block, PrefixCache
 from batchrun.engine.backends.batch import LeanGenerationBatch, LeanPromptBatch
@@ -57,6 +57,7 @@ def vocab_size(model: Any, tokenizer: Any) -> int:
 class TextBackend:
     scores_choices = True
     prefix_cache = True
+    windowed_prefixes = True  # rows of sliding-window models start from cached blocks too
     accepts_images = False
 
     def __init__(self, model: Any, tokenizer: Any):
@@ -73,6 +74,11 @@ class TextBackend:
         self._shared: OrderedDict[tuple[bytes, int], SharedPrefix] = OrderedDict()
         caches = make_prompt_cache(model)
         self._layers = len(caches)
+        # A sliding-window layer's window, per layer (None: every position); rows of a model
+        # with one hold their own copy of cached blocks (shared-prefix attention has no window).
+        self._windows = tuple(getattr(c, "max_size", None) if isinstance(c, RotatingKVCache)
+                              else None for c in caches)
+        self._windowed = any(self._windows)
         # Decode steps take each row's key range instead of a mask (decode_attention.py) where
         # every layer's cache is a growing one and the model calls the shared attention.
         self._ranged = (decode_attention.wanted() and all(type(c) is KVCache for c in caches)
@@ -99,7 +105,7 @@ class TextBackend:
         """Rows starting from cached blocks attend one shared copy of them (shared_prefix.py)
         where the model's architecture allows (else each holds a copy of them); returns
         whether they share."""
-        self.shares_prefix = on and install(self.model)
+        self.shares_prefix = on and not self._windowed and install(self.model)
         return self.shares_prefix
 
     def start(self, max_concurrency: int, config: EngineConfig) -> None:
@@ -173,7 +179,7 @@ class TextBackend:
             # rows of two inserts, and mlx-lm merges their caches by the first's class.
             if self._ranged:
                 return [self._copied(b) for b in blocks]
-            return [PrefixCache.to_kv_caches(b) if b else None for b in blocks]
+            return [PrefixCache.to_row_caches(b, self._windows) if b else None for b in blocks]
         prefixes = [self._shared_prefix(b) if b else None for b in blocks]
         if SHARED_TAILS and any(prefixes):
             self._share_tails(seqs, blocks, prefixes, upcoming)
@@ -257,7 +263,11 @@ class TextBackend:
         tokens = seq.prompt[:upto]
         if self.shares_prefix and mx.default_device() == mx.cpu:
             return self._compute_in_steps(tokens, blocks)
-        caches = PrefixCache.to_kv_caches(blocks) if blocks else make_prompt_cache(self.model)
+        # Every layer keeps all of the prefix (a sliding one attends its window by the mask the
+        # model makes with the window's size): its blocks serve prompts ending anywhere.
+        caches = PrefixCache.to_kv_caches(blocks) if blocks else \
+            [KVCache() for _ in range(self._layers)] if self._windowed else \
+            make_prompt_cache(self.model)
         done = caches[0].offset
         while done < len(tokens):
             chunk = tokens[done: done + self._prefill_step]
@@ -283,8 +293,10 @@ class TextBackend:
 
     def choice_state(self, seq: Sequence, step: Step) -> tuple:
         """(model, the prompt's KV or None, the first token's log-probabilities) for scoring a
-        choices row's choices (choices.py): the row's own cache while it is in the batch."""
-        if step.finish_reason is not None:
+        choices row's choices (choices.py): the row's own cache while it is in the batch. A
+        sliding-window layer's cache, cut out of the batch after the step, may already hold the
+        next position in its window: such a model's prompt is computed again for its choices."""
+        if step.finish_reason is not None or self._windowed:
             return self.model, None, None
         layer_caches, _ = self._gen.extract_cache([step.uid])[step.uid]
         return self.model, layer_caches, step.logprobs

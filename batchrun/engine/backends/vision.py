@@ -190,6 +190,7 @@ class VisionBackend:
     accepts_images = True
     scores_choices = True  # from the row's prompt computed again on its own (choice_state)
     prefix_cache = True  # blocks keyed on the images' content as well as the tokens
+    windowed_prefixes = False  # a sliding-window language model's rows compute their prompts
 
     def __init__(self, model: Any, processor: Any):
         from mlx_lm.tokenizer_utils import TokenizerWrapper

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 
 def choice_logprobs(model: Any, prompt_cache: list[KVCache] | None, prompt: list[int],
@@ -37,14 +37,7 @@ def choice_logprobs(model: Any, prompt_cache: list[KVCache] | None, prompt: list
     if width > 0:
         k = len(choices)
         inputs = mx.array([tokens[:-1] + [0] * (width + 1 - len(tokens)) for tokens in choices])
-        caches = []
-        for layer in prompt_cache:
-            cache = KVCache()
-            keys, values = layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :]
-            cache.keys = mx.repeat(keys, k, axis=0)
-            cache.values = mx.repeat(values, k, axis=0)
-            cache.offset = layer.offset
-            caches.append(cache)
+        caches = [_repeated(layer, k) for layer in prompt_cache]
         logprobs = log_softmax(model(inputs, cache=caches))
         for j, tokens in enumerate(choices):
             per_token[j].extend(logprobs[j, i - 1, tokens[i]] for i in range(1, len(tokens)))
@@ -94,3 +87,20 @@ def normalized(logprobs: dict[str, float]) -> dict[str, float]:
     """Probabilities over the choices (summing to 1) from their log-probabilities."""
     values = mx.softmax(mx.array(list(logprobs.values()), dtype=mx.float32)).tolist()
     return dict(zip(logprobs, values, strict=True))
+
+
+def _repeated(layer: Any, k: int) -> Any:
+    """`k` copies of one layer's prompt cache as one batch: a growing layer's keys and values
+    up to its offset, a sliding window's in the order of their positions (its window and
+    offset kept, so the choices attend what the answer's tokens would)."""
+    if isinstance(layer, RotatingKVCache):
+        cache = RotatingKVCache(max_size=layer.max_size, keep=layer.keep)
+        keys, values = layer._temporal_order(layer.keys), layer._temporal_order(layer.values)
+        cache._idx = keys.shape[2]
+    else:
+        cache = KVCache()
+        keys, values = layer.keys[..., : layer.offset, :], layer.values[..., : layer.offset, :]
+    cache.keys = mx.repeat(keys, k, axis=0)
+    cache.values = mx.repeat(values, k, axis=0)
+    cache.offset = layer.offset
+    return cache
