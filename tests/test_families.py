@@ -76,6 +76,8 @@ def test_sliding_window_rows_start_from_cached_blocks_with_mlx_lms_tokens(models
         for run_ in ("cold", "warm", "damaged"):
             engine = Engine.load(path, EngineConfig(max_concurrency=concurrency,
                                                     cache_dir=str(cache_dir)))
+            # full-attention layers attend one shared copy; sliding ones a window a row
+            assert engine.backend.shares_prefix
             outs = engine.generate(rows, SamplingParams(max_tokens=8))
             stats = engine.get_cache_stats()
             disk = engine.prefix_cache.disk
@@ -95,6 +97,11 @@ def test_sliding_window_rows_start_from_cached_blocks_with_mlx_lms_tokens(models
                 files[0].write_bytes(files[0].read_bytes()[:100])  # the next run finds it cut
             else:
                 assert disk.skipped >= 1
+    # each row holding its own copy of the prefix in every layer (--no-shared-prefix)
+    engine = Engine.load(path, EngineConfig(max_concurrency=32, shared_prefix=False))
+    outs = engine.generate(rows, SamplingParams(max_tokens=8))
+    assert not engine.backend.shares_prefix and all(o.cached_tokens > 0 for o in outs)
+    assert [o.token_ids for o in outs] == expected
 
 
 def test_choices_of_a_sliding_window_model_score_what_mlx_lm_scores(models):

@@ -288,20 +288,27 @@ class PrefixCache:
     @staticmethod
     def to_row_caches(blocks: list[Block], windows: tuple[int | None, ...]) -> list:
         """A row's caches starting after `blocks`: a growing layer's hold all of their KV, a
-        sliding layer's (window w) the last w positions, as mlx-lm's RotatingKVCache holds
-        them after a prompt (its batch cache keeps no more when it merges rows)."""
+        sliding layer's the last window of it (`window_cache`)."""
         caches = []
         for layer, window in enumerate(windows):
             k = mx.concatenate([b.keys[layer] for b in blocks], axis=2)
             v = mx.concatenate([b.values[layer] for b in blocks], axis=2)
-            n = k.shape[2]
             if window is None:
                 c = KVCache()
-                c.keys, c.values, c.offset = k, v, n
+                c.keys, c.values, c.offset = k, v, k.shape[2]
             else:
-                kept = min(n, window)
-                c = RotatingKVCache(max_size=window)
-                c.keys, c.values = k[..., n - kept:, :], v[..., n - kept:, :]
-                c.offset, c._idx = n, kept
+                c = window_cache(k, v, window)
             caches.append(c)
         return caches
+
+
+def window_cache(keys: mx.array, values: mx.array, window: int) -> RotatingKVCache:
+    """A sliding layer's cache after a prefix whose keys and values are given: the last
+    `window` positions, as mlx-lm's RotatingKVCache holds them after a prompt (its batch cache
+    keeps no more when it merges rows)."""
+    n = keys.shape[2]
+    kept = min(n, window)
+    c = RotatingKVCache(max_size=window)
+    c.keys, c.values = keys[..., n - kept:, :], values[..., n - kept:, :]
+    c.offset, c._idx = n, kept
+    return c

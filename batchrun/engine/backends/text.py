@@ -17,7 +17,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from batchrun.cache.prefix import Block, PrefixCache
+from batchrun.cache.prefix import Block, PrefixCache, window_cache
 from batchrun.engine.backends.batch import LeanGenerationBatch, LeanPromptBatch
 from batchrun.engine.backends.prompt import PromptBuilder
 from batchrun.engine.backends.tokens import common_length
@@ -74,8 +74,9 @@ class TextBackend:
         self._shared: OrderedDict[tuple[bytes, int], SharedPrefix] = OrderedDict()
         caches = make_prompt_cache(model)
         self._layers = len(caches)
-        # A sliding-window layer's window, per layer (None: every position); rows of a model
-        # with one hold their own copy of cached blocks (shared-prefix attention has no window).
+        # A sliding-window layer's window, per layer (None: every position). Rows sharing a
+        # prefix share it in the full-attention layers; a sliding layer's cache holds the
+        # prefix's last window a row (shared-prefix attention has no window).
         self._windows = tuple(getattr(c, "max_size", None) if isinstance(c, RotatingKVCache)
                               else None for c in caches)
         self._windowed = any(self._windows)
@@ -105,7 +106,7 @@ class TextBackend:
         """Rows starting from cached blocks attend one shared copy of them (shared_prefix.py)
         where the model's architecture allows (else each holds a copy of them); returns
         whether they share."""
-        self.shares_prefix = on and not self._windowed and install(self.model)
+        self.shares_prefix = on and install(self.model)
         return self.shares_prefix
 
     def start(self, max_concurrency: int, config: EngineConfig) -> None:
@@ -181,9 +182,17 @@ class TextBackend:
                 return [self._copied(b) for b in blocks]
             return [PrefixCache.to_row_caches(b, self._windows) if b else None for b in blocks]
         prefixes = [self._shared_prefix(b) if b else None for b in blocks]
-        if SHARED_TAILS and any(prefixes):
+        if SHARED_TAILS and any(prefixes) and not self._windowed:  # a tail has no window
             self._share_tails(seqs, blocks, prefixes, upcoming)
-        return [[PrefixedCache(p, layer) for layer in range(self._layers)] for p in prefixes]
+        return [self._prefixed(p) for p in prefixes]
+
+    def _prefixed(self, prefix: SharedPrefix | None) -> list:
+        """A row's caches after `prefix` (or none): a reference to it in each full-attention
+        layer, its last window in each sliding one."""
+        return [PrefixedCache(prefix, layer) if window is None else
+                RotatingKVCache(max_size=window) if prefix is None else
+                window_cache(prefix.keys[layer], prefix.values[layer], window)
+                for layer, window in enumerate(self._windows)]
 
     def _copied(self, blocks: list[Block]) -> list[CopiedCache]:
         if not blocks:
@@ -261,7 +270,7 @@ class TextBackend:
         """Prefill the row's first `upto` tokens on its own (after `blocks`, their first part
         already cached); each layer's (keys, values) over all of them."""
         tokens = seq.prompt[:upto]
-        if self.shares_prefix and mx.default_device() == mx.cpu:
+        if self.shares_prefix and mx.default_device() == mx.cpu and not self._windowed:
             return self._compute_in_steps(tokens, blocks)
         # Every layer keeps all of the prefix (a sliding one attends its window by the mask the
         # model makes with the window's size): its blocks serve prompts ending anywhere.

@@ -36,7 +36,7 @@ from contextlib import contextmanager
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
 # False (or BATCHRUN_HOST_ATTENTION=0): the CPU's attention stays MLX's.
 ENABLED = os.environ.get("BATCHRUN_HOST_ATTENTION", "1") != "0"
@@ -58,6 +58,11 @@ def wanted() -> bool:
     return ENABLED and mx.default_device() == mx.cpu
 
 
+# Caches whose keys a prefill's queries attend in the order of their positions, with one of
+# mlx-lm's masks (a sliding window's included).
+_CACHES = (KVCache, BatchKVCache, RotatingKVCache, BatchRotatingKVCache)
+
+
 def serves(queries: mx.array, keys, cache, sinks, mask) -> bool:
     """Whether `attention` takes this call: one of the engine's forwards (`forwards()`) on the
     CPU, several queries a row of a model running with a KV cache, float32 queries and keys
@@ -69,7 +74,7 @@ def serves(queries: mx.array, keys, cache, sinks, mask) -> bool:
     24 rows). On the CPU the weight plan holds models in float32 anyway (models/weights.py)."""
     if not (ENABLED and _in_forwards.get() and queries.ndim == 4 and queries.shape[2] > 1
             and sinks is None and queries.dtype == mx.float32
-            and isinstance(cache, (KVCache, BatchKVCache)) and not hasattr(cache, "bits")
+            and isinstance(cache, _CACHES) and not hasattr(cache, "bits")
             and isinstance(keys, mx.array) and keys.ndim == 4
             and mx.default_device() == mx.cpu):
         return False
