@@ -1,7 +1,8 @@
 """Model families beyond full attention: sliding-window layers (Gemma 3; gpt-oss, with attention
-sinks and experts) start rows from cached prefix blocks, in memory and from disk, and give
-mlx-lm's own greedy tokens: alone and batched, cold, warm and with a damaged cache entry, with
-the shared instruction longer and shorter than the window."""
+sinks and experts) and recurrent ones (Qwen3.5's gated delta beside full attention) start rows
+from cached prefix blocks (a recurrent model's from a block's state snapshot), in memory and from
+disk, and give mlx-lm's own greedy tokens: alone and batched, cold, warm and with a damaged
+cache entry, with the shared instruction longer and shorter than the window."""
 
 import json
 import random
@@ -12,7 +13,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from batchrun.cache import layer_windows
+from batchrun.cache import layer_kinds
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.types import Constraint, SamplingParams
@@ -24,6 +25,7 @@ KINDS = {  # name: (family, window override)
     "gemma3": ("gemma3", None),  # window 64 of a ~250-token prompt
     "gemma3-wide": ("gemma3", 1024),  # the whole prompt inside the window
     "gpt-oss": ("gpt_oss", None),  # window 128, attention sinks, experts
+    "qwen3_5": ("qwen3_5", None),  # gated delta, full attention every 4th layer
 }
 
 
@@ -63,12 +65,12 @@ def mlx_lm_greedy(path: str, rows: list[list[dict]], max_tokens: int) -> list[li
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_sliding_window_rows_start_from_cached_blocks_with_mlx_lms_tokens(models, kind,
-                                                                          tmp_path):
+def test_rows_start_from_cached_blocks_with_mlx_lms_tokens(models, kind, tmp_path):
     path = models[kind]
     model, _ = load(path)
-    windows = layer_windows(model)
-    assert any(windows) and None in windows  # sliding layers and full ones
+    kinds = layer_kinds(model)
+    # sliding (a window) or recurrent (a state) layers beside full ones
+    assert any(k is not None for k in kinds) and None in kinds
     rows = labeling_rows(10)
     expected = mlx_lm_greedy(path, rows, 8)
     for concurrency in (1, 32):
@@ -104,10 +106,12 @@ def test_sliding_window_rows_start_from_cached_blocks_with_mlx_lms_tokens(models
     assert [o.token_ids for o in outs] == expected
 
 
-def test_choices_of_a_sliding_window_model_score_what_mlx_lm_scores(models):
+@pytest.mark.parametrize("kind", ["gemma3", "qwen3_5"])
+def test_choices_score_what_mlx_lm_scores(models, kind):
     """A choices row's log-probabilities are the model's: the prompt and each choice's tokens
-    through mlx-lm's own forward (the window applied), from a cached prefix or not."""
-    path = models["gemma3"]
+    through mlx-lm's own forward (the window applied, the state carried), from a cached prefix
+    or not."""
+    path = models[kind]
     rows = labeling_rows(4)
     choices = ["positive review", "negative one here", "neutral"]
     model, tokenizer = load(path)
@@ -128,7 +132,7 @@ def test_choices_of_a_sliding_window_model_score_what_mlx_lm_scores(models):
                 assert out.choice_logprobs[choice] == pytest.approx(want, abs=1e-3)
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "gpt-oss"])
+@pytest.mark.parametrize("kind", ["gemma3", "gpt-oss", "qwen3_5"])
 def test_a_warm_rerun_serves_most_prompt_tokens_from_the_cache(models, kind, tmp_path):
     rows = write_rows(tmp_path / "rows.jsonl", [{"custom_id": f"r{i}", "messages": m}
                                                 for i, m in enumerate(labeling_rows(12))])
@@ -142,3 +146,26 @@ def test_a_warm_rerun_serves_most_prompt_tokens_from_the_cache(models, kind, tmp
     texts = [[orjson.loads(x)["text"] for x in (tmp_path / j / "results.jsonl").read_bytes()
               .splitlines()] for j in ("cold", "warm")]
     assert texts[0] == texts[1] and cold["cached_prompt_tokens"] > 0
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5", "gemma3"])
+def test_a_longer_shared_prefix_is_computed_on_from_cached_blocks(models, kind, tmp_path):
+    """A later job whose rows share more than the cache holds computes the rest from the
+    cached blocks (a recurrent model from the snapshot at their end): mlx-lm's tokens."""
+    path = models[kind]
+    short = labeling_rows(4, instruction_reviews=8)
+    rng = random.Random(3)
+    extra = " ".join(review(rng)[1] for _ in range(6))
+    longer = [[{"role": "system", "content": short[0][0]["content"] + " " + extra}, row[1]]
+              for row in labeling_rows(6, instruction_reviews=8)]
+    expected = mlx_lm_greedy(path, longer, 6)
+    cache_dir = str(tmp_path / "cache")
+    for rows in (short, longer):
+        engine = Engine.load(path, EngineConfig(max_concurrency=8, cache_dir=cache_dir))
+        outs = engine.generate(rows, SamplingParams(max_tokens=6))
+        stats = engine.get_cache_stats()
+        engine.close()
+    assert stats["disk_loaded_blocks"] > 0  # the short instruction's blocks, read back
+    assert stats["stored_blocks"] > 0  # and more computed on from them
+    assert [o.token_ids for o in outs] == expected
+    assert all(o.cached_tokens > 64 * stats["disk_loaded_blocks"] for o in outs)

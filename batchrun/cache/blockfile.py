@@ -92,9 +92,12 @@ def decode(data: bytes, expect: dict[str, tuple[tuple[int, ...], str]]
     return arrays_of(verify(data, expect))
 
 
-def verify(data: bytes, expect: dict[str, tuple[tuple[int, ...], str]]) -> Verified:
+def verify(data: bytes, expect: dict[str, tuple[tuple[int, ...], str]],
+           *alternatives: dict[str, tuple[tuple[int, ...], str]]) -> Verified:
     """Check a block file (layout and checksum) without building arrays: plain bytes work that
-    may run on any thread (hashing releases the GIL). Raises BlockFormatError."""
+    may run on any thread (hashing releases the GIL). The file holds exactly the tensors of
+    `expect`, or of one of the `alternatives` (the one naming its tensors). Raises
+    BlockFormatError."""
     if len(data) < 8:
         raise BlockFormatError("shorter than its header length")
     n = int.from_bytes(data[:8], "little")
@@ -110,6 +113,7 @@ def verify(data: bytes, expect: dict[str, tuple[tuple[int, ...], str]]) -> Verif
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise BlockFormatError("metadata missing or not strings")
     body = memoryview(data)[8 + n:]
+    expect = next((e for e in alternatives if set(e) == set(header)), expect)
     _check_table(header, expect, len(body))
     stored = dict(meta)
     if stored.pop("checksum", None) != _checksum(stored, header, body):

@@ -80,10 +80,15 @@ class DiskCache:
         self._warned: set[str] = set()
         shape = layout.shape(block_size)  # the tensors every entry must hold, nothing else
         self.expected = {name: (shape, layout.dtype) for name in _tensor_names(layout.layers)}
+        # ... or those and a recurrent model's state snapshot
+        self.with_state = {**self.expected, **{f"s.{j}": (state_shape, dtype) for j, (
+            state_shape, dtype) in enumerate(layout.states)}} if layout.states else None
         self._meta = {"format": FORMAT, "model": model_fingerprint,
                       "block_size": str(block_size), "layers": str(layout.layers),
                       "kv_heads": str(layout.kv_heads), "head_dim": str(layout.head_dim),
                       "dtype": layout.dtype}
+        if layout.states:
+            self._meta["states"] = orjson.dumps(layout.states).decode()
         self._max_file_bytes = layout.block_bytes(block_size) + 2**20  # tensors + any header
         self._listing: set[str] | None = None
         self._listed_at = 0.0
@@ -185,7 +190,8 @@ class DiskCache:
         """A block file's bytes, checked (any thread): None if absent, the error if not good."""
         try:
             data = self.files.read(_file_name(key), self._max_file_bytes)
-            return None if data is None else blockfile.verify(data, self.expected)
+            return None if data is None else blockfile.verify(
+                data, self.expected, *([self.with_state] if self.with_state else []))
         except (ValueError, OSError) as e:
             return e
 
@@ -250,8 +256,10 @@ class DiskCache:
         if len(parent) != len(key) or chain(parent, tokens, salt) != key:
             raise blockfile.BlockFormatError("its tokens do not hash to its key")
         layers = range(self.layout.layers)
+        state = [arrays[f"s.{j}"] for j in range(len(self.layout.states))] \
+            if self.layout.states and "s.0" in arrays else None
         return Block(key, parent, tuple(tokens), [arrays[f"k.{i}"] for i in layers],
-                     [arrays[f"v.{i}"] for i in layers], salt)
+                     [arrays[f"v.{i}"] for i in layers], salt, state)
 
     def _damaged(self, name: str, reason: Exception) -> None:
         self.skipped += 1
@@ -332,7 +340,15 @@ class DiskCache:
             return None
         meta = {**self._meta, "parent": block.parent.hex(),
                 "tokens": orjson.dumps(list(block.tokens)).decode(), "salt": block.salt.hex()}
-        return dict(zip(self.expected, tensors, strict=True)), meta
+        named = dict(zip(self.expected, tensors, strict=True))
+        if block.state is not None:
+            states = self.layout.states
+            if len(block.state) != len(states) or any(
+                    tuple(a.shape) != shape or a.dtype != DTYPES[d]
+                    for a, (shape, d) in zip(block.state, states, strict=False)):
+                return named, meta  # kept without its snapshot: rows start elsewhere
+            named.update({f"s.{j}": a for j, a in enumerate(block.state)})
+        return named, meta
 
     def _update_index(self, written: dict[str, dict]) -> None:
         try:

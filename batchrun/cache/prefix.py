@@ -12,6 +12,11 @@ generated token.
 
 Invariant: a block's KV is exactly what the model computes for that prefix (it is copied out of
 a sequence's cache after its prefill), so reusing it does not change any output.
+
+A model with recurrent layers (gated delta, Mamba) has a state that cannot be cut back to an
+earlier position: a block of such a model holds its attention layers' KV, and the block that
+ends a computed prefix also the recurrent layers' state there (`state`, a snapshot). A row starts
+only after a block with a snapshot (`match` stops at the last one).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
 DEFAULT_BLOCK_SIZE = 64
 
@@ -39,10 +44,13 @@ class Block:
     keys: list[mx.array]  # per layer, (1, kv_heads, block_size, head_dim)
     values: list[mx.array]
     salt: bytes = b""  # the digests of the images starting in this block (block_salts)
+    # The recurrent layers' state at the block's end, their arrays in layer order (a snapshot).
+    state: list[mx.array] | None = None
     nbytes: int = 0
 
     def __post_init__(self) -> None:
-        self.nbytes = sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values)
+        self.nbytes = sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values) \
+            + sum(a.nbytes for a in self.state or ())
 
 
 Media = tuple[tuple[int, str], ...]  # (position of an image's first placeholder, its digest)
@@ -162,6 +170,7 @@ class PrefixCache:
     on_store: Callable[[list[Block]], None] | None = None
     disk: object | None = None  # the DiskCache behind prefetch / on_store, if any
     memo: KeyMemo = field(default_factory=KeyMemo, repr=False)
+    stateful: bool = False  # a recurrent model's: rows start only after a state snapshot
 
     def keys_for(self, tokens: list[int], media: Media = ()) -> list[bytes]:
         # Leave at least one token uncached: the engine must compute the last prompt token.
@@ -180,6 +189,9 @@ class PrefixCache:
             if block is None or block.tokens != span:
                 break
             found.append(block)
+        if self.stateful:
+            while found and found[-1].state is None:
+                found.pop()
         return found
 
     def read_ahead(self, tokens: list[int], media: Media = ()) -> None:
@@ -233,27 +245,42 @@ class PrefixCache:
         return block
 
     def store(self, tokens: list[int], layer_kv: list[tuple[mx.array, mx.array]],
-              upto: int, media: Media = ()) -> list[Block]:
+              upto: int, media: Media = (),
+              snapshots: dict[int, list[mx.array]] | None = None) -> list[Block]:
         """Store the blocks of tokens[:upto] (with the images in `media`) from one sequence's
-        per-layer (keys, values), each (1, kv_heads, >= upto, head_dim); returns the blocks
-        that were new."""
+        per-layer (keys, values), each (1, kv_heads, >= upto, head_dim), and a recurrent
+        model's `snapshots` (its state at a position: the block ending there keeps it);
+        returns the blocks that were new (or given a snapshot)."""
         new = []
         parent = self.root
+        snapshots = snapshots or {}
         keys = self.keys_for(tokens[: upto + 1], media)
         salts = block_salts(media, self.block_size, len(keys))
         for i, key in enumerate(keys):
-            if key not in self.blocks:
-                lo, hi = i * self.block_size, (i + 1) * self.block_size
+            lo, hi = i * self.block_size, (i + 1) * self.block_size
+            state = snapshots.get(hi)
+            if state is not None:
+                state = [mx.array(a) for a in state]  # its own copy, as the KV below
+                mx.eval(state)
+            block = self.blocks.get(key)
+            if block is None:
                 # Copies, so the block does not pin the sequence's whole cache buffer.
                 ks = [mx.array(k[:, :, lo:hi, :]) for k, _ in layer_kv]
                 vs = [mx.array(v[:, :, lo:hi, :]) for _, v in layer_kv]
                 mx.eval(ks, vs)
-                block = Block(key, parent, tuple(tokens[lo:hi]), ks, vs, salts[i])
+                block = Block(key, parent, tuple(tokens[lo:hi]), ks, vs, salts[i], state)
                 self.put(block)
                 new.append(block)
                 self.stats.stored_blocks += 1
             else:
                 self.blocks.move_to_end(key)
+                if state is not None and block.state is None:
+                    block.state = state
+                    added = sum(a.nbytes for a in state)
+                    block.nbytes += added
+                    self.nbytes += added
+                    self._evict()
+                    new.append(block)  # written again, with its snapshot
             parent = key
         if new and self.on_store is not None:
             self.on_store(new)
@@ -264,6 +291,9 @@ class PrefixCache:
             return
         self.blocks[block.key] = block
         self.nbytes += block.nbytes
+        self._evict()
+
+    def _evict(self) -> None:
         while self.nbytes > self.budget_bytes and len(self.blocks) > 1:
             _, old = self.blocks.popitem(last=False)
             self.nbytes -= old.nbytes
@@ -286,18 +316,29 @@ class PrefixCache:
         return caches
 
     @staticmethod
-    def to_row_caches(blocks: list[Block], windows: tuple[int | None, ...]) -> list:
-        """A row's caches starting after `blocks`: a growing layer's hold all of their KV, a
-        sliding layer's the last window of it (`window_cache`)."""
-        caches = []
-        for layer, window in enumerate(windows):
-            k = mx.concatenate([b.keys[layer] for b in blocks], axis=2)
-            v = mx.concatenate([b.values[layer] for b in blocks], axis=2)
-            if window is None:
+    def to_row_caches(blocks: list[Block], kinds: tuple, whole: bool = False) -> list:
+        """A row's caches starting after `blocks`, a layer of each kind (cache/layout.py's
+        `layer_kinds`): a growing layer's hold all of their KV, a sliding layer's the last
+        window of it (`window_cache`; with `whole`, all of it in a growing cache: a prefix
+        computed further attends its window through the model's mask), a recurrent layer's
+        the last block's snapshot."""
+        caches, kv, at = [], 0, 0
+        state = blocks[-1].state or []
+        for kind in kinds:
+            if isinstance(kind, tuple):
+                c = ArraysCache(size=kind[1])
+                c.cache = list(state[at: at + kind[1]])
+                at += kind[1]
+                caches.append(c)
+                continue
+            k = mx.concatenate([b.keys[kv] for b in blocks], axis=2)
+            v = mx.concatenate([b.values[kv] for b in blocks], axis=2)
+            kv += 1
+            if kind is None or whole:
                 c = KVCache()
                 c.keys, c.values, c.offset = k, v, k.shape[2]
             else:
-                c = window_cache(k, v, window)
+                c = window_cache(k, v, kind)
             caches.append(c)
         return caches
 

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from batchrun.cache import block_layout, layer_windows, make_prefix_cache
+from batchrun.cache import block_layout, layer_kinds, make_prefix_cache
 from batchrun.cache.disk import DiskCache
 from batchrun.cache.prefix import PrefixCache
 from batchrun.engine.prefix_plan import PrefixPlanner
@@ -48,24 +48,30 @@ class PrefixCacheControl:
     @cache.setter
     def cache(self, cache: PrefixCache | None) -> None:
         self.scheduler.planner = PrefixPlanner(cache) if cache is not None else None
+        if cache is not None and hasattr(self.backend, "snapshot_every"):
+            self.backend.snapshot_every = cache.block_size  # a recurrent state's, per block
         self.scheduler.shares_prefix = self.backend.share_prefixes(
             cache is not None and self.config.shared_prefix)
 
     def enable(self) -> None:
         """The config's prefix cache (memory share and disk folder), where it can work: KV
-        caches, growing or sliding windows where the backend builds rows from those (not
-        recurrent layers)."""
+        caches, growing or sliding windows, and recurrent states, where the backend builds rows
+        from those (cache/layout.py)."""
         config = self.config
         if not (config.prefix_cache and self.backend.prefix_cache):
             return
-        windows = layer_windows(self.backend.kv_model)
-        if windows is None or (any(windows) and not self.backend.windowed_prefixes):
+        kinds = layer_kinds(self.backend.kv_model)
+        windowed = kinds is not None and any(isinstance(k, int) for k in kinds)
+        stateful = kinds is not None and any(isinstance(k, tuple) for k in kinds)
+        layout = block_layout(self.backend.kv_model) if kinds is not None else None
+        if layout is None or (windowed and not self.backend.windowed_prefixes) \
+                or (stateful and not self.backend.stateful_prefixes):
             return
         share = int(self.memory.budget * config.prefix_cache_fraction)
         self.memory.budget -= share  # the cached blocks live in the same memory
         self.cache = make_prefix_cache(
             self.model_fingerprint, share, Path(config.cache_dir) if config.cache_dir else None,
-            config.prefix_block_size, layout=block_layout(self.backend.kv_model))
+            config.prefix_block_size, layout=layout)
         self._owned = True
 
     @contextmanager

@@ -397,7 +397,8 @@ class Engine:
             layer_kv = self.backend.compute_prefix(need.seq, need.upto, need.blocks)
         except Exception:  # the rows then compute it themselves; their own errors say why
             return
-        self.prefix_cache.store(need.seq.prompt, layer_kv, need.upto, need.seq.media)
+        self.prefix_cache.store(need.seq.prompt, layer_kv, need.upto, need.seq.media,
+                                getattr(layer_kv, "snapshots", None))
         self.stats.prefill_time += time.perf_counter() - start
 
     def _insert(self, batch: list[tuple[Sequence, list[Block]]]) -> None:

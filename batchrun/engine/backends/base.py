@@ -27,6 +27,7 @@ class Backend(Protocol):
     scores_choices: bool  # choices rows are scored from the prompt's KV (choices.py)
     prefix_cache: bool  # rows can start from cached prefix blocks
     windowed_prefixes: bool  # ... of a model with sliding-window layers too
+    stateful_prefixes: bool  # ... of a model with recurrent layers too (state snapshots)
 
     def start(self, max_concurrency: int, config: EngineConfig) -> None:
         """A fresh, empty batch (dropping the old one, after a fault)."""

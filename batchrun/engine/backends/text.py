@@ -15,8 +15,9 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
+from batchrun.cache.layout import layer_kinds
 from batchrun.cache.prefix import Block, PrefixCache, window_cache
 from batchrun.engine.backends.batch import LeanGenerationBatch, LeanPromptBatch
 from batchrun.engine.backends.prompt import PromptBuilder
@@ -58,6 +59,8 @@ class TextBackend:
     scores_choices = True
     prefix_cache = True
     windowed_prefixes = True  # rows of sliding-window models start from cached blocks too
+    stateful_prefixes = True  # ... and of recurrent ones, from a block's state snapshot
+    snapshot_every = 64  # tokens: the prefix cache's block size (the engine sets it)
     accepts_images = False
 
     def __init__(self, model: Any, tokenizer: Any):
@@ -74,12 +77,16 @@ class TextBackend:
         self._shared: OrderedDict[tuple[bytes, int], SharedPrefix] = OrderedDict()
         caches = make_prompt_cache(model)
         self._layers = len(caches)
-        # A sliding-window layer's window, per layer (None: every position). Rows sharing a
-        # prefix share it in the full-attention layers; a sliding layer's cache holds the
-        # prefix's last window a row (shared-prefix attention has no window).
-        self._windows = tuple(getattr(c, "max_size", None) if isinstance(c, RotatingKVCache)
-                              else None for c in caches)
-        self._windowed = any(self._windows)
+        # Each layer's kind (cache/layout.py: None, attends every position; a sliding window;
+        # ("state", n), recurrent). Rows sharing a prefix share it in the full-attention
+        # layers; a sliding layer's cache holds the prefix's last window a row (shared-prefix
+        # attention has no window), a recurrent layer's a copy of the state at its end.
+        self._kinds = layer_kinds(model) or (None,) * len(caches)
+        self._windowed = any(isinstance(k, int) for k in self._kinds)
+        self._stateful = any(isinstance(k, tuple) for k in self._kinds)
+        # a layer's place among the layers with keys and values (blocks hold only theirs)
+        kv = itertools.count()
+        self._kv_index = [None if isinstance(k, tuple) else next(kv) for k in self._kinds]
         # Decode steps take each row's key range instead of a mask (decode_attention.py) where
         # every layer's cache is a growing one and the model calls the shared attention.
         self._ranged = (decode_attention.wanted() and all(type(c) is KVCache for c in caches)
@@ -180,19 +187,33 @@ class TextBackend:
             # rows of two inserts, and mlx-lm merges their caches by the first's class.
             if self._ranged:
                 return [self._copied(b) for b in blocks]
-            return [PrefixCache.to_row_caches(b, self._windows) if b else None for b in blocks]
+            return [PrefixCache.to_row_caches(b, self._kinds) if b else None for b in blocks]
         prefixes = [self._shared_prefix(b) if b else None for b in blocks]
-        if SHARED_TAILS and any(prefixes) and not self._windowed:  # a tail has no window
+        # a tail is computed through shared-prefix attention alone: no window, no state
+        if SHARED_TAILS and any(prefixes) and not (self._windowed or self._stateful):
             self._share_tails(seqs, blocks, prefixes, upcoming)
-        return [self._prefixed(p) for p in prefixes]
+        return [self._prefixed(p, b) for p, b in zip(prefixes, blocks, strict=True)]
 
-    def _prefixed(self, prefix: SharedPrefix | None) -> list:
+    def _prefixed(self, prefix: SharedPrefix | None, blocks: list[Block]) -> list:
         """A row's caches after `prefix` (or none): a reference to it in each full-attention
-        layer, its last window in each sliding one."""
-        return [PrefixedCache(prefix, layer) if window is None else
-                RotatingKVCache(max_size=window) if prefix is None else
-                window_cache(prefix.keys[layer], prefix.values[layer], window)
-                for layer, window in enumerate(self._windows)]
+        layer, its last window in each sliding one, a copy of the last block's state snapshot
+        in each recurrent one."""
+        caches, state = [], (blocks[-1].state if blocks else None) or []
+        at = 0
+        for kind, kv in zip(self._kinds, self._kv_index, strict=True):
+            if isinstance(kind, tuple):
+                c = ArraysCache(size=kind[1])
+                if prefix is not None:
+                    c.cache = list(state[at: at + kind[1]])
+                at += kind[1]
+            elif kind is None:
+                c = PrefixedCache(prefix, kv)
+            elif prefix is None:
+                c = RotatingKVCache(max_size=kind)
+            else:
+                c = window_cache(prefix.keys[kv], prefix.values[kv], kind)
+            caches.append(c)
+        return caches
 
     def _copied(self, blocks: list[Block]) -> list[CopiedCache]:
         if not blocks:
@@ -268,22 +289,40 @@ class TextBackend:
 
     def compute_prefix(self, seq: Sequence, upto: int, blocks: list[Block]) -> list[tuple]:
         """Prefill the row's first `upto` tokens on its own (after `blocks`, their first part
-        already cached); each layer's (keys, values) over all of them."""
+        already cached); each layer's (keys, values) over all of them (the layers with keys
+        and values; for a recurrent model a PrefixKV, with their state at `upto`)."""
         tokens = seq.prompt[:upto]
-        if self.shares_prefix and mx.default_device() == mx.cpu and not self._windowed:
+        plain = not (self._windowed or self._stateful)
+        if self.shares_prefix and mx.default_device() == mx.cpu and plain:
             return self._compute_in_steps(tokens, blocks)
         # Every layer keeps all of the prefix (a sliding one attends its window by the mask the
         # model makes with the window's size): its blocks serve prompts ending anywhere.
-        caches = PrefixCache.to_kv_caches(blocks) if blocks else \
-            [KVCache() for _ in range(self._layers)] if self._windowed else \
-            make_prompt_cache(self.model)
-        done = caches[0].offset
+        if blocks:
+            caches = PrefixCache.to_row_caches(blocks, self._kinds, whole=True)
+        elif plain:
+            caches = make_prompt_cache(self.model)
+        else:
+            caches = [ArraysCache(size=k[1]) if isinstance(k, tuple) else KVCache()
+                      for k in self._kinds]
+        done = sum(len(b.tokens) for b in blocks)
+        out = PrefixKV()
+        # A recurrent model's state is snapshotted at each block's end: rows and later
+        # prefixes start at any of them (its blocks' size: the first block's, or the cache's).
+        every = len(blocks[0].tokens) if blocks else self.snapshot_every
         while done < len(tokens):
-            chunk = tokens[done: done + self._prefill_step]
+            step = self._prefill_step
+            if self._stateful:
+                step = min(step, every - done % every)
+            chunk = tokens[done: done + step]
             self.model(mx.array(chunk)[None], cache=caches)
-            mx.eval([c.state for c in caches])
+            mx.eval([_arrays(c) for c in caches])
             done += len(chunk)
-        return [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in caches]
+            if self._stateful and done % every == 0:
+                out.snapshots[done] = [a for c in caches if isinstance(c, ArraysCache)
+                                       for a in c.cache]
+        out.extend((c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
+                   for c in caches if not isinstance(c, ArraysCache))
+        return out
 
     def _compute_in_steps(self, tokens: list[int], blocks: list[Block]) -> list[tuple]:
         """compute_prefix on the CPU: CPU_PREFIX_STEP tokens at a time, each step attending the
@@ -305,7 +344,7 @@ class TextBackend:
         choices row's choices (choices.py): the row's own cache while it is in the batch. A
         sliding-window layer's cache, cut out of the batch after the step, may already hold the
         next position in its window: such a model's prompt is computed again for its choices."""
-        if step.finish_reason is not None or self._windowed:
+        if step.finish_reason is not None or self._windowed or self._stateful:
             return self.model, None, None
         layer_caches, _ = self._gen.extract_cache([step.uid])[step.uid]
         return self.model, layer_caches, step.logprobs
@@ -331,6 +370,22 @@ class TextBackend:
         if self._gen is not None:
             self._gen.close()
             self._gen = None
+
+
+class PrefixKV(list):
+    """compute_prefix's (keys, values) a layer, and a recurrent model's state snapshots (its
+    state at a position, at each block's end)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.snapshots: dict[int, list[mx.array]] = {}
+
+
+def _arrays(cache: Any) -> list:
+    """The arrays a layer's cache holds (to evaluate)."""
+    if isinstance(cache, ArraysCache):
+        return [a for a in cache.cache if a is not None]
+    return [cache.keys, cache.values]
 
 
 def best_tail(peers: list[list[int]], most: int, copy_tokens: int) -> list[int]:

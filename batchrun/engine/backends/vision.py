@@ -191,6 +191,7 @@ class VisionBackend:
     scores_choices = True  # from the row's prompt computed again on its own (choice_state)
     prefix_cache = True  # blocks keyed on the images' content as well as the tokens
     windowed_prefixes = False  # a sliding-window language model's rows compute their prompts
+    stateful_prefixes = False  # ... and a recurrent one's
 
     def __init__(self, model: Any, processor: Any):
         from mlx_lm.tokenizer_utils import TokenizerWrapper

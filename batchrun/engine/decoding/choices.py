@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 
 def choice_logprobs(model: Any, prompt_cache: list[KVCache] | None, prompt: list[int],
@@ -92,7 +92,12 @@ def normalized(logprobs: dict[str, float]) -> dict[str, float]:
 def _repeated(layer: Any, k: int) -> Any:
     """`k` copies of one layer's prompt cache as one batch: a growing layer's keys and values
     up to its offset, a sliding window's in the order of their positions (its window and
-    offset kept, so the choices attend what the answer's tokens would)."""
+    offset kept, so the choices attend what the answer's tokens would); a recurrent layer's
+    state arrays."""
+    if isinstance(layer, ArraysCache):
+        cache = ArraysCache(size=len(layer.cache))
+        cache.cache = [None if a is None else mx.repeat(a, k, axis=0) for a in layer.cache]
+        return cache
     if isinstance(layer, RotatingKVCache):
         cache = RotatingKVCache(max_size=layer.max_size, keep=layer.keep)
         keys, values = layer._temporal_order(layer.keys), layer._temporal_order(layer.values)

@@ -215,6 +215,13 @@ class SharedPrefixBatchCache(BatchKVCache):
         return self._groups
 
 
+def _first_attention(layers: Any) -> Any:
+    """The first layer's attention module that has one (a hybrid model's first layers may be
+    recurrent)."""
+    return next((a for a in (getattr(layer, "self_attn", None) for layer in layers or ())
+                 if a is not None), None)
+
+
 def attention_shape(model: Any) -> tuple[mx.Dtype, int, int] | None:
     """(activation dtype, head dimension, query heads a KV head) of the model's attention, as
     its first layer declares them (mlx-lm's attention modules keep n_heads, n_kv_heads, a
@@ -224,7 +231,7 @@ def attention_shape(model: Any) -> tuple[mx.Dtype, int, int] | None:
 
     layers = getattr(model, "layers", None) or getattr(getattr(model, "model", None),
                                                          "layers", None)
-    attention = getattr(layers[0], "self_attn", None) if layers else None
+    attention = _first_attention(layers)
     heads, kv_heads, scale = (getattr(attention, name, None)
                               for name in ("n_heads", "n_kv_heads", "scale"))
     if not (isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads
@@ -249,7 +256,7 @@ def install(model: Any, warn: bool = True) -> bool:
     function."""
     layers = getattr(model, "layers", None) or getattr(getattr(model, "model", None),
                                                          "layers", None)
-    attention = getattr(layers[0], "self_attn", None) if layers else None
+    attention = _first_attention(layers)
     module = sys.modules.get(type(attention).__module__) if attention is not None else None
     original = getattr(module, "scaled_dot_product_attention", None) if module else None
     if original is None:
