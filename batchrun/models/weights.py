@@ -34,9 +34,11 @@ import mlx.nn as nn
 MODES = ("auto", "quantized", "dequantized")
 # Routed rows (rows x experts a row) from which GroupedSwitchLinear groups them by expert.
 GROUP_MIN_ROWS = 512
-# Routed rows (rows x experts a row) one call of a mixture of experts' layer may take on CUDA:
-# MLX's CUDA expert kernels put the routed rows on a grid axis CUDA caps at 65,535 (a launch
-# past it fails, "invalid argument"). Larger calls run in slices of whole rows.
+# Rows one call of a mixture of experts' block may take on CUDA: MLX's CUDA quantized expert
+# kernel (gather_qmm) puts the routed rows (tokens x experts a token) on a grid axis CUDA caps
+# at 65,535, and its argpartition (the router's top-k) the tokens: a launch past it fails
+# ("invalid argument"; H100, BENCHMARKS.md "Quantized and mixture-of-experts models"). Larger
+# calls run in slices: the block by tokens, its experts by routed rows.
 CUDA_ROUTED_ROWS = 65535
 # The converted weights may take at most this share of the usable memory (the rest: KV cache,
 # activations).
@@ -369,24 +371,64 @@ def _sliced_call(self, x, indices):
     return out.reshape(*lead, *out.shape[1:])
 
 
-_SLICED: dict[type, type] = {}
+_SLICED: dict[tuple, type] = {}
 
 
 def slice_experts(model: Any, max_routed: int) -> int:
-    """Every mixture-of-experts block (mlx-lm's SwitchGLU / SwitchMLP) of `model` made to run
-    at most `max_routed` routed rows a call; how many. The block keeps its class's behaviour
-    and its parameters' names (its class becomes a subclass with `_sliced_call`)."""
+    """Every mixture-of-experts layer (mlx-lm's SwitchGLU / SwitchMLP) of `model` made to run
+    at most `max_routed` routed rows a call, and the block that routes to it (its parent: the
+    router's top-k) at most `max_routed` tokens; how many layers. Each keeps its class's
+    behaviour and its parameters' names (its class becomes a subclass that slices)."""
     from mlx_lm.models.switch_layers import SwitchGLU, SwitchMLP
 
     count = 0
-    for _, m in model.named_modules():
+    for name, m in model.named_modules():
         if not isinstance(m, (SwitchGLU, SwitchMLP)):
             continue
-        cls = type(m)
-        if cls not in _SLICED.values():
-            if cls not in _SLICED:
-                _SLICED[cls] = type(f"Sliced{cls.__name__}", (cls,), {"__call__": _sliced_call})
-            m.__class__ = _SLICED[cls]
-            count += 1
-        m._max_routed = max_routed
+        count += _sliced(m, _sliced_call, max_routed)
+        parent = _module_at(model, name.rpartition(".")[0]) if "." in name else None
+        if parent is not None and parent is not model:
+            _sliced(parent, _sliced_block_call, max_routed)
     return count
+
+
+def _sliced(m: Any, call: Any, max_rows: int) -> bool:
+    """`m`'s class made a subclass calling `call` (once); its limit set. Whether it was new."""
+    cls = type(m)
+    new = cls not in _SLICED.values()
+    if new:
+        key = (cls, call)
+        if key not in _SLICED:
+            _SLICED[key] = type(f"Sliced{cls.__name__}", (cls,), {"__call__": call})
+        m.__class__ = _SLICED[key]
+    m._max_routed = max_rows
+    return new
+
+
+def _module_at(model: Any, path: str) -> Any:
+    m = model
+    for part in path.split("."):
+        m = m[int(part)] if isinstance(m, list) else m[part] if isinstance(m, dict) \
+            else getattr(m, part, None)
+        if m is None:
+            return None
+    return m
+
+
+def _sliced_block_call(self, x, *args, **kwargs):
+    """A mixture of experts' block (router and experts) over at most `_max_routed` tokens a
+    call: the tokens (leading axes of `x`) in slices, as a batch of one row each, where the
+    block maps tokens to tokens; each token's result is the whole call's."""
+    import mlx.core as mx
+
+    call = super(type(self), self).__call__
+    rows = math.prod(x.shape[:-1])
+    if args or kwargs or x.ndim < 2 or rows <= self._max_routed:
+        return call(x, *args, **kwargs)
+    flat = x.reshape(1, rows, x.shape[-1])
+    parts = [call(flat[:, a:a + self._max_routed]) for a in range(0, rows, self._max_routed)]
+    if not all(isinstance(p, mx.array) and p.shape[:2] == (1, min(self._max_routed, rows - a))
+               for p, a in zip(parts, range(0, rows, self._max_routed), strict=True)):
+        return call(x)  # not a token-to-token block: run it whole
+    out = mx.concatenate(parts, axis=1)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
