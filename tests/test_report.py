@@ -387,3 +387,26 @@ def test_the_speculation_line_says_what_each_run_asked_and_a_run_with_nothing_to
     # a key batchrun does not write (a hand-edited report.json) changes nothing
     assert line(speculating({**draft, "note": ["x"]}, 4, 20, 15)) == line(
         speculating(draft, 4, 20, 15))
+
+
+def test_one_label_on_nearly_every_row_is_said(tmp_path):
+    """A prompt or model that answers one label whatever the row is said in report.json, the
+    summary and the page; a job whose labels vary, or with few rows, is not."""
+    def job_of(answers: list[str], name: str) -> tuple[Path, dict]:
+        results = [result(i, text, {"pos": 0.9, "neg": 0.05, "neu": 0.05})
+                   for i, text in enumerate(answers)]
+        (tmp_path / name).mkdir()
+        job, report = fake_job(tmp_path / name, results, [], [], next_index=len(answers),
+                               rows_total=len(answers))
+        rp.write_report(job, report, html_too=True)
+        return job, orjson.loads((job / "report.json").read_bytes())
+
+    job, report = job_of(["pos"] * 46 + ["neg"] * 4, "one")
+    assert report["labels"]["dominant"] == {"label": "pos", "rows": 46, "share": 0.92}
+    said = "pos is the answer on 92% of the labeled rows: check the prompt and the model"
+    assert "warning:    " + said in rp.summary_text(report)
+    assert said in (job / "report.html").read_text()
+    for answers, name in ((["pos"] * 44 + ["neg"] * 6, "varied"), (["pos"] * 19, "few")):
+        _, report = job_of(answers, name)
+        assert report["labels"]["dominant"] is None
+        assert "warning:" not in rp.summary_text(report)

@@ -9,7 +9,13 @@ import html
 import math
 from pathlib import Path
 
-from batchrun.job.report.summary import accuracy_text, human_bytes, human_rate, human_seconds
+from batchrun.job.report.summary import (
+    accuracy_text,
+    dominant_text,
+    human_bytes,
+    human_rate,
+    human_seconds,
+)
 
 LABELS_SHOWN = 40  # rows of the page's label table (report.json has them all)
 W, H, LEFT, BOTTOM, TOP, RIGHT = 760, 200, 64, 30, 26, 14  # the time charts' frame (px)
@@ -182,7 +188,9 @@ def _labels_section(labels: dict | None) -> str:
     legend = (f"<p class=\"note\">mean prob: the label's choice probability averaged over the "
               f"{scored:,} scored rows; unsure: rows of the label whose most likely choice has "
               f"less than {threshold}.</p>" if scored else "")
-    return (f'<h2>Labels</h2><p>{"; ".join(notes)}.</p>'
+    warn = (f'<p class="warn">{html.escape(dominant_text(labels["dominant"]))}.</p>'
+            if labels.get("dominant") else "")
+    return (f'<h2>Labels</h2>{warn}<p>{"; ".join(notes)}.</p>'
             '<table><tr><th>label</th><th class="num">rows</th><th class="num">share</th>'
             '<th></th><th class="num">mean prob</th><th class="num">unsure</th></tr>'
             f'{"".join(rows)}</table>{legend}')
@@ -332,6 +340,7 @@ p.note, td.note { color: #777; } .key { color: #999; font-size: 12px; }
 .big { font-size: 26px; font-weight: 600; font-variant-numeric: tabular-nums; }
 .pair { display: flex; gap: 24px; } .pair > div { flex: 1; min-width: 0; }
 p.empty { color: #777; } table.runs td { white-space: nowrap; }
+p.warn { color: #a04000; font-weight: 600; }
 """
 
 

@@ -103,6 +103,8 @@ def summary_text(report: dict) -> str:
         lines.append(f"labels:     {shares}" + (f", {more:,} more" if more > 0 else "")
                      + (f"; {labels['low_confidence_rows']:,} unsure (top choice under "
                         f"{labels['low_confidence_below']:.0%})" if labels["scored_rows"] else ""))
+        if labels.get("dominant"):
+            lines.append("warning:    " + dominant_text(labels["dominant"]))
     expected = report.get("expected")
     if expected:
         lines.append(f"accuracy:   {accuracy_text(expected)}")
@@ -110,3 +112,9 @@ def summary_text(report: dict) -> str:
         lines.append("row errors: " + ", ".join(f"{e['code']} {e['rows']:,}"
                                                 for e in report["error_codes"]))
     return "\n".join(lines)
+
+
+def dominant_text(dominant: dict) -> str:
+    """A label that takes nearly every row, said with what to check."""
+    return (f"{dominant['label']} is the answer on {dominant['share']:.0%} of the labeled rows: "
+            "check the prompt and the model on a few rows whose answer you know")

@@ -23,6 +23,11 @@ log = logging.getLogger("batchrun")
 
 
 LOW_CONFIDENCE = 0.5  # a labeled row whose highest choice probability is below this is unsure
+# One label on at least this share of the labeled rows (of at least DOMINANT_MIN_ROWS, with two
+# labels or more to choose from) is said: a prompt or model that answers one label whatever the
+# row looks like a job that went well.
+DOMINANT_SHARE = 0.9
+DOMINANT_MIN_ROWS = 20
 ERROR_EXAMPLES = 5  # rows listed for each error code
 HISTOGRAM_BINS = 20  # at most, for token lengths
 
@@ -211,8 +216,15 @@ class RecordTally:
         declared = self.labels or []
         others = [k for k, _ in self.label_rows.most_common() if k not in declared]
         scored = self.scored_rows
+        total = sum(self.label_rows.values())
+        dominant = None
+        if self.label_rows and total >= DOMINANT_MIN_ROWS and len({*declared, *others}) >= 2:
+            label, rows = self.label_rows.most_common(1)[0]
+            if rows >= DOMINANT_SHARE * total:
+                dominant = {"label": label, "rows": rows, "share": round(rows / total, 4)}
         return {
-            "rows": sum(self.label_rows.values()),
+            "rows": total,
+            "dominant": dominant,
             "unlabeled_rows": self.unlabeled_rows,
             "scored_rows": scored,
             "low_confidence_below": LOW_CONFIDENCE,
