@@ -24,7 +24,12 @@ from batchrun.engine.backends.prompt import PromptBuilder
 from batchrun.engine.backends.tokens import common_length
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.decoding.sampling import LogitAdjustments, make_sampler
-from batchrun.engine.kernels import decode_attention, host_attention, prefix_attention
+from batchrun.engine.kernels import (
+    decode_attention,
+    gated_delta,
+    host_attention,
+    prefix_attention,
+)
 from batchrun.engine.kernels.nvrtc import compile_ahead
 from batchrun.engine.kernels.shared_prefix import (
     CopiedCache,
@@ -93,6 +98,8 @@ class TextBackend:
                         and install(model))
         if host_attention.wanted():  # the CPU's prefills and verifications: through NumPy
             install(model, warn=False)
+        if gated_delta.wanted():  # recurrent layers' prompts by chunks (gated_delta.py)
+            gated_delta.install(model)
         if decode_attention.on_cuda():
             self._compile_kernels_ahead()
 

@@ -44,6 +44,11 @@ MAX_SCORE_ELEMENTS = 1 << 24
 _in_forwards = contextvars.ContextVar("batchrun_host_attention", default=False)
 
 
+def in_forwards() -> bool:
+    """Whether this call is inside one of the engine's own forwards."""
+    return _in_forwards.get()
+
+
 @contextmanager
 def forwards() -> Iterator[None]:
     """The engine's own forwards run inside: only these take `attention`."""

@@ -1,0 +1,144 @@
+"""The gated-delta rule (Qwen3.5's recurrent layers) over a prompt, a chunk of positions at a time.
+
+mlx-lm runs the rule one position at a time wherever its Metal kernel is not available (CUDA,
+the CPU): a prompt of T tokens is T steps of small ops in every recurrent layer. Here a prompt
+is cut into chunks of CHUNK positions; everything within a chunk is matrix products computed
+for all chunks at once, and only the state passes from chunk to chunk (T / CHUNK steps).
+
+The rule, per head, with state S (value width x key width), for each position t:
+S_t = g_t S_{t-1} + beta_t (v_t - g_t S_{t-1} k_t) k_t^T, and y_t = S_t q_t. Within a chunk
+starting from S_0, with gamma_t the product of the chunk's decays up to t, the updates
+w_t = beta_t (v_t - gamma_t S_0 k_t - sum_{j<t} (gamma_t / gamma_j) (k_t . k_j) w_j) solve a unit
+lower-triangular system (I + A) W = beta (V - gamma K S_0^T); then
+y_t = gamma_t S_0 q_t + sum_{j<=t} (gamma_t / gamma_j) (q_t . k_j) w_j and the chunk's last state
+is gamma_C S_0 + sum_j (gamma_C / gamma_j) w_j k_j^T. A is nilpotent, so
+(I + A)^-1 = (I - A)(I + A^2)(I + A^4)... (log2(CHUNK) products, no sequential solve). Decay
+ratios are taken as exp of differences of cumulative log decays, never as quotients.
+
+A padded position (mask False) keeps the state: its decay is 1 and its beta 0. Scalar decays
+(one a head) only; a per-key decay, Metal, and one-position steps stay mlx-lm's. The routing is
+per model module and only inside the engine's own forwards (host_attention.forwards()): a
+user's own mlx-lm calls in the process keep mlx-lm's rule. Outputs match mlx-lm's to float32
+rounding (tests).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import mlx.core as mx
+
+from batchrun.engine.kernels import host_attention
+
+CHUNK = 32
+# False (or BATCHRUN_CHUNKED_GATED_DELTA=0): mlx-lm's rule, a position at a time.
+ENABLED = os.environ.get("BATCHRUN_CHUNKED_GATED_DELTA", "1") != "0"
+_installed: dict[str, Any] = {}  # module name -> mlx-lm's gated_delta_update there
+
+
+def chunked(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
+            state: mx.array, mask: mx.array | None = None, chunk: int = CHUNK
+            ) -> tuple[mx.array, mx.array]:
+    """mlx-lm's gated_delta_ops, by chunks. q, k (B, T, Hk, Dk); v (B, T, Hv, Dv); g and beta
+    (B, T, Hv); state (B, Hv, Dv, Dk); mask (B, T), True where a position counts. Returns
+    y (B, T, Hv, Dv) in q's dtype and the last state (float32)."""
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    out_dtype = q.dtype
+    if Hv // Hk > 1:
+        q, k = mx.repeat(q, Hv // Hk, -2), mx.repeat(k, Hv // Hk, -2)
+    f32 = mx.float32
+    q, k, v = q.astype(f32), k.astype(f32), v.astype(f32)
+    g, beta = g.astype(f32), beta.astype(f32)
+    if mask is not None:
+        keep = mask[..., None]
+        g, beta = mx.where(keep, g, 1.0), mx.where(keep, beta, 0.0)
+    pad = -T % chunk
+    if pad:
+        zeros = [(0, 0), (0, pad), (0, 0), (0, 0)]
+        q, k, v = mx.pad(q, zeros), mx.pad(k, zeros), mx.pad(v, zeros)
+        g = mx.pad(g, [(0, 0), (0, pad), (0, 0)], constant_values=1.0)
+        beta = mx.pad(beta, [(0, 0), (0, pad), (0, 0)])
+    n = (T + pad) // chunk
+
+    def split(x: mx.array) -> mx.array:  # (B, T', H, ...) -> (B, H, n, chunk, ...)
+        x = x.reshape(B, n, chunk, Hv, *x.shape[3:])
+        return x.transpose(0, 3, 1, 2, *range(4, x.ndim))
+
+    q, k, v = split(q), split(k), split(v)
+    log_g = mx.cumsum(mx.log(split(g)), axis=-1)  # (B, H, n, chunk): log gamma_t
+    beta = split(beta)
+    diff = log_g[..., :, None] - log_g[..., None, :]  # log (gamma_t / gamma_j)
+    lower = mx.tril(mx.ones((chunk, chunk), dtype=mx.bool_))
+    decay = mx.exp(mx.where(lower, diff, -mx.inf))  # 0 above the diagonal
+    eye = mx.eye(chunk, dtype=f32)
+    a = (beta[..., None] * (k @ k.swapaxes(-1, -2)) * decay) * (1 - eye)
+    inverse, power = eye - a, a
+    for _ in range((chunk - 1).bit_length() - 1):
+        power = power @ power
+        inverse = inverse @ (eye + power)
+    gamma = mx.exp(log_g)[..., None]
+    w_v = inverse @ (beta[..., None] * v)  # (B, H, n, chunk, Dv)
+    w_k = inverse @ (beta[..., None] * gamma * k)  # (B, H, n, chunk, Dk)
+    scores = (q @ k.swapaxes(-1, -2)) * decay  # (B, H, n, chunk, chunk)
+    q_decayed = gamma * q
+    to_end = mx.exp(log_g[..., -1:] - log_g)[..., None]  # gamma_C / gamma_j
+    last = mx.exp(log_g[..., -1])[..., None, None]  # (B, H, n, 1, 1)
+    s = state.astype(f32)
+    ys = []
+    for i in range(n):
+        s_t = s.swapaxes(-1, -2)  # (B, H, Dk, Dv)
+        w = w_v[:, :, i] - w_k[:, :, i] @ s_t
+        ys.append(q_decayed[:, :, i] @ s_t + scores[:, :, i] @ w)
+        s = last[:, :, i] * s + (w * to_end[:, :, i]).swapaxes(-1, -2) @ k[:, :, i]
+    y = mx.stack(ys, axis=2).reshape(B, Hv, n * chunk, Dv)[:, :, :T]
+    return y.transpose(0, 2, 1, 3).astype(out_dtype), s
+
+
+def wanted() -> bool:
+    return ENABLED and not mx.metal.is_available()
+
+
+def install(model: Any) -> bool:
+    """Route the gated-delta rule of `model`'s recurrent layers through `chunked` (inside the
+    engine's forwards, for prompts of more than one chunk); whether the model has such layers
+    whose module calls mlx-lm's `gated_delta_update`."""
+    from mlx_lm.models import gated_delta as reference
+
+    layers = getattr(model, "layers", None) or getattr(getattr(model, "model", None),
+                                                         "layers", None) or ()
+    names = {type(layer.linear_attn).__module__ for layer in layers
+             if getattr(layer, "linear_attn", None) is not None}
+    found = False
+    for name in names:
+        module = sys.modules.get(name)
+        original = getattr(module, "gated_delta_update", None)
+        if original is None:
+            continue
+        found = True
+        if name in _installed:
+            continue
+        _installed[name] = original
+
+        def routed(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *, use_kernel=True,
+                   lower_bound=None, allow_neg_eigval=False, _original=original):
+            if not (ENABLED and host_attention.in_forwards() and q.shape[1] > CHUNK):
+                return _original(q, k, v, a, b, A_log, dt_bias, state, mask,
+                                 use_kernel=use_kernel, lower_bound=lower_bound,
+                                 allow_neg_eigval=allow_neg_eigval)
+            beta = mx.sigmoid(b) * (2.0 if allow_neg_eigval else 1.0)
+            g = reference.compute_g(A_log, a, dt_bias) if lower_bound is None else \
+                reference.compute_lower_bound_g(A_log, a, dt_bias, lower_bound)
+            if g.ndim != 3:  # a per-key decay: mlx-lm's rule
+                return _original(q, k, v, a, b, A_log, dt_bias, state, mask,
+                                 use_kernel=use_kernel, lower_bound=lower_bound,
+                                 allow_neg_eigval=allow_neg_eigval)
+            if state is None:
+                state = mx.zeros((q.shape[0], v.shape[-2], v.shape[-1], k.shape[-1]),
+                                 dtype=mx.float32)
+            return chunked(q, k, v, g, beta, state, mask)
+
+        module.gated_delta_update = routed
+    return found
