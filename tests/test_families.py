@@ -1,5 +1,6 @@
 """Model families beyond full attention: sliding-window layers (Gemma 3; gpt-oss, with attention
-sinks and experts) and recurrent ones (Qwen3.5's gated delta beside full attention) start rows
+sinks and experts) and recurrent ones (Qwen3.5's gated delta, Granite 4's Mamba-2, beside full
+attention) start rows
 from cached prefix blocks (a recurrent model's from a block's state snapshot), in memory and from
 disk, and give mlx-lm's own greedy tokens: alone and batched, cold, warm and with a damaged
 cache entry, with the shared instruction longer and shorter than the window."""
@@ -26,6 +27,7 @@ KINDS = {  # name: (family, window override)
     "gemma3-wide": ("gemma3", 1024),  # the whole prompt inside the window
     "gpt-oss": ("gpt_oss", None),  # window 128, attention sinks, experts
     "qwen3_5": ("qwen3_5", None),  # gated delta, full attention every 4th layer
+    "granite": ("granite_hybrid", None),  # Mamba-2 layers beside attention
 }
 
 

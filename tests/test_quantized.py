@@ -195,7 +195,7 @@ def test_the_run_says_how_the_weights_are_held(models, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "gpt_oss", "gemma3",
-                                    "qwen3_5"])
+                                    "qwen3_5", "granite_hybrid"])
 def test_every_family_builds_a_folder_mlx_lm_loads(family, tmp_path):
     quant = "mxfp4" if family == "gpt_oss" else "8bit"
     path = build_family(tmp_path / family, family, "tiny", quant)

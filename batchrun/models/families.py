@@ -9,7 +9,8 @@ like any downloaded one, built with no download.
     python -m batchrun.models.build OUT --family qwen3_moe --size bench --quantize 4bit
 
 Families: llama, qwen3, qwen3_moe (mixture of experts), gpt_oss (experts and attention sinks),
-gemma3 (sliding window), qwen3_5 (gated-delta recurrent layers). Sizes: `tiny` (a few MB, for
+gemma3 (sliding window), qwen3_5 (gated-delta recurrent layers), granite_hybrid (Mamba-2 layers
+beside attention, Granite 4's hybrid). Sizes: `tiny` (a few MB, for
 tests on the CPU) and `bench` (the shapes the GPU benchmarks use). Quantizations: none, 4bit and
 8bit (affine, group 64; `-g32` / `-g128` for other groups), mxfp4 (gpt-oss's format), 4bit-mixed
 (embedding and head in 8-bit, as mixed recipes keep them) and 4bit-fullhead (embedding and head
@@ -81,8 +82,29 @@ FAMILIES: dict[str, dict[str, dict]] = {
                       linear_key_head_dim=128, linear_value_head_dim=128,
                       full_attention_interval=4, vocab_size=151936),
     },
+    # Granite 4's hybrid: Mamba-2 layers beside attention (dense, no experts)
+    "granite_hybrid": {
+        "tiny": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512,
+                     num_attention_heads=4, num_key_value_heads=2, attention_bias=False,
+                     embedding_multiplier=1.0, attention_multiplier=0.125,
+                     logits_scaling=1.0, residual_multiplier=1.0,
+                     layer_types=["mamba", "mamba", "attention", "mamba"],
+                     mamba_n_heads=16, mamba_d_head=32, mamba_proj_bias=False,
+                     mamba_d_state=16, mamba_d_conv=4, mamba_n_groups=1,
+                     mamba_conv_bias=True, position_embedding_type="rope",
+                     shared_intermediate_size=512),
+        "bench": dict(hidden_size=1536, num_hidden_layers=24, intermediate_size=3072,
+                      num_attention_heads=12, num_key_value_heads=4, attention_bias=False,
+                      embedding_multiplier=1.0, attention_multiplier=0.0078125,
+                      logits_scaling=1.0, residual_multiplier=1.0,
+                      layer_types=["attention" if i % 6 == 5 else "mamba" for i in range(24)],
+                      mamba_n_heads=48, mamba_d_head=64, mamba_proj_bias=False,
+                      mamba_d_state=128, mamba_d_conv=4, mamba_n_groups=1,
+                      mamba_conv_bias=True, position_embedding_type="rope",
+                      shared_intermediate_size=4096, vocab_size=100352),
+    },
 }
-MODEL_TYPES = {"gemma3": "gemma3_text"}
+MODEL_TYPES = {"gemma3": "gemma3_text", "granite_hybrid": "granitemoehybrid"}
 MOE_DEFAULTS = {"qwen3_moe": dict(decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)}
 SIZES = ("tiny", "bench")
 QUANTIZATIONS = ("none", "4bit", "4bit-g32", "4bit-g128", "8bit", "8bit-g32", "mxfp4",
