@@ -42,6 +42,49 @@ def test_chunks_give_mlx_lms_outputs_and_state(B, T, Hk, Hv, Dk, Dv, padded):
     assert mx.abs(want_y).max().item() > 0.01  # not a comparison of zeros
 
 
+def test_a_decay_of_zero_resets_the_state_as_mlx_lms_rule_does():
+    """mlx-lm's decay underflows to exactly 0 for a large A_log: the state restarts there, and
+    nothing turns to NaN (a log of 0 is -inf, never subtracted from another)."""
+    q, k, v, g, beta, state = inputs(2, 80, 2, 2, 32, 32, seed=3)
+    at = mx.arange(80)[None, :, None]
+    for decays in (mx.where(at == 5, 0.0, g), mx.where(at % 7 == 0, 0.0, g),
+                   mx.full(g.shape, 1e-30)):
+        want_y, want_state = reference.gated_delta_ops(q, k, v, decays, beta, state)
+        y, last = gated_delta.chunked(q, k, v, decays, beta, state)
+        assert mx.all(mx.isfinite(y)).item() and mx.all(mx.isfinite(last)).item()
+        assert mx.abs(y - want_y).max().item() < 1e-5
+        assert mx.abs(last - want_state).max().item() < 1e-5
+
+
+def test_a_model_whose_decays_underflow_gives_mlx_lms_tokens(tmp_path):
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    from batchrun.engine.config import EngineConfig
+    from batchrun.engine.engine import Engine
+    from batchrun.engine.types import SamplingParams
+    from batchrun.models.families import build_family
+
+    model, tokenizer = load(str(build_family(tmp_path / "m", "qwen3_5", "tiny", "none")))
+    model.update(tree_unflatten([(name, mx.full(a.shape, 5.0)) for name, a in
+                                 tree_flatten(model.parameters()) if name.endswith("A_log")]))
+    prompts = [" ".join(["a long prompt of words"] * n) for n in (12, 20, 30)]
+    want = []
+    for prompt in prompts:
+        ids = mx.array(tokenizer.encode(prompt))
+        tokens = []
+        for token, _ in generate_step(ids, model, max_tokens=4):
+            if int(token) in tokenizer.eos_token_ids:
+                break
+            tokens.append(int(token))
+        want.append(tokens)
+    assert any(want)
+    engine = Engine(model, tokenizer, EngineConfig(max_concurrency=8, prefix_cache=False))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=4))
+    assert [o.token_ids for o in outs] == want
+
+
 def test_only_the_engines_forwards_take_the_chunks(tmp_path, monkeypatch):
     from batchrun.engine.config import EngineConfig
     from batchrun.engine.engine import Engine

@@ -12,8 +12,10 @@ w_t = beta_t (v_t - gamma_t S_0 k_t - sum_{j<t} (gamma_t / gamma_j) (k_t . k_j) 
 lower-triangular system (I + A) W = beta (V - gamma K S_0^T); then
 y_t = gamma_t S_0 q_t + sum_{j<=t} (gamma_t / gamma_j) (q_t . k_j) w_j and the chunk's last state
 is gamma_C S_0 + sum_j (gamma_C / gamma_j) w_j k_j^T. A is nilpotent, so
-(I + A)^-1 = (I - A)(I + A^2)(I + A^4)... (log2(CHUNK) products, no sequential solve). Decay
-ratios are taken as exp of differences of cumulative log decays, never as quotients.
+(I + A)^-1 = (I - A)(I + A^2)(I + A^4)... (log2(CHUNK) products, no sequential solve). A decay
+ratio is exp of a sum of log decays over its span (`_segment_sums`), never a quotient or a
+difference of two sums: a decay of 0 (mlx-lm's g underflows to 0 for a large A_log) is a log
+of -inf, and resets the state as mlx-lm's rule does.
 
 A padded position (mask False) keeps the state: its decay is 1 and its beta 0. Scalar decays
 (one a head) only; a per-key decay, Metal, and one-position steps stay mlx-lm's. The routing is
@@ -38,12 +40,13 @@ ENABLED = os.environ.get("BATCHRUN_CHUNKED_GATED_DELTA", "1") != "0"
 _installed: dict[str, Any] = {}  # module name -> mlx-lm's gated_delta_update there
 
 
-def chunked(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
-            state: mx.array, mask: mx.array | None = None, chunk: int = CHUNK
-            ) -> tuple[mx.array, mx.array]:
+def chunked(q: mx.array, k: mx.array, v: mx.array, g: mx.array | None, beta: mx.array,
+            state: mx.array, mask: mx.array | None = None, chunk: int = CHUNK,
+            log_g: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """mlx-lm's gated_delta_ops, by chunks. q, k (B, T, Hk, Dk); v (B, T, Hv, Dv); g and beta
-    (B, T, Hv); state (B, Hv, Dv, Dk); mask (B, T), True where a position counts. Returns
-    y (B, T, Hv, Dv) in q's dtype and the last state (float32)."""
+    (B, T, Hv) (or, instead of g, its log `log_g`: more precise where g underflows); state
+    (B, Hv, Dv, Dk); mask (B, T), True where a position counts. Returns y (B, T, Hv, Dv) in q's
+    dtype and the last state (float32)."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]
     out_dtype = q.dtype
@@ -51,15 +54,16 @@ def chunked(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
         q, k = mx.repeat(q, Hv // Hk, -2), mx.repeat(k, Hv // Hk, -2)
     f32 = mx.float32
     q, k, v = q.astype(f32), k.astype(f32), v.astype(f32)
-    g, beta = g.astype(f32), beta.astype(f32)
+    log_g = (mx.log(g.astype(f32)) if log_g is None else log_g.astype(f32))
+    beta = beta.astype(f32)
     if mask is not None:
         keep = mask[..., None]
-        g, beta = mx.where(keep, g, 1.0), mx.where(keep, beta, 0.0)
+        log_g, beta = mx.where(keep, log_g, 0.0), mx.where(keep, beta, 0.0)
     pad = -T % chunk
     if pad:
         zeros = [(0, 0), (0, pad), (0, 0), (0, 0)]
         q, k, v = mx.pad(q, zeros), mx.pad(k, zeros), mx.pad(v, zeros)
-        g = mx.pad(g, [(0, 0), (0, pad), (0, 0)], constant_values=1.0)
+        log_g = mx.pad(log_g, [(0, 0), (0, pad), (0, 0)])
         beta = mx.pad(beta, [(0, 0), (0, pad), (0, 0)])
     n = (T + pad) // chunk
 
@@ -68,24 +72,22 @@ def chunked(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
         return x.transpose(0, 3, 1, 2, *range(4, x.ndim))
 
     q, k, v = split(q), split(k), split(v)
-    log_g = mx.cumsum(mx.log(split(g)), axis=-1)  # (B, H, n, chunk): log gamma_t
+    steps = split(log_g)  # (B, H, n, chunk): log g_t
     beta = split(beta)
-    diff = log_g[..., :, None] - log_g[..., None, :]  # log (gamma_t / gamma_j)
-    lower = mx.tril(mx.ones((chunk, chunk), dtype=mx.bool_))
-    decay = mx.exp(mx.where(lower, diff, -mx.inf))  # 0 above the diagonal
+    decay = mx.exp(_segment_sums(steps))  # gamma_t / gamma_j, 0 above the diagonal
     eye = mx.eye(chunk, dtype=f32)
     a = (beta[..., None] * (k @ k.swapaxes(-1, -2)) * decay) * (1 - eye)
     inverse, power = eye - a, a
     for _ in range((chunk - 1).bit_length() - 1):
         power = power @ power
         inverse = inverse @ (eye + power)
-    gamma = mx.exp(log_g)[..., None]
+    gamma = mx.exp(mx.cumsum(steps, axis=-1))[..., None]  # gamma_t, from the chunk's start
     w_v = inverse @ (beta[..., None] * v)  # (B, H, n, chunk, Dv)
     w_k = inverse @ (beta[..., None] * gamma * k)  # (B, H, n, chunk, Dk)
     scores = (q @ k.swapaxes(-1, -2)) * decay  # (B, H, n, chunk, chunk)
     q_decayed = gamma * q
-    to_end = mx.exp(log_g[..., -1:] - log_g)[..., None]  # gamma_C / gamma_j
-    last = mx.exp(log_g[..., -1])[..., None, None]  # (B, H, n, 1, 1)
+    to_end = decay[..., -1, :, None]  # gamma_C / gamma_j
+    last = gamma[..., -1:, :]  # gamma_C: (B, H, n, 1, 1)
     s = state.astype(f32)
     ys = []
     for i in range(n):
@@ -97,6 +99,17 @@ def chunked(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
     return y.transpose(0, 2, 1, 3).astype(out_dtype), s
 
 
+def _segment_sums(x: mx.array) -> mx.array:
+    """(..., C) -> (..., C, C): at [t, j] the sum of x over (j, t] for j <= t, -inf above the
+    diagonal; each a sum of its own terms (no difference of two running sums, which a -inf or a
+    large term would turn into NaN or cancel)."""
+    C = x.shape[-1]
+    strictly = mx.tril(mx.ones((C, C), dtype=mx.bool_), -1)
+    terms = mx.where(strictly, mx.broadcast_to(x[..., :, None], (*x.shape, C)), 0.0)
+    sums = mx.cumsum(terms, axis=-2)
+    return mx.where(mx.tril(mx.ones((C, C), dtype=mx.bool_)), sums, -mx.inf)
+
+
 def wanted() -> bool:
     return ENABLED and not mx.metal.is_available()
 
@@ -105,7 +118,6 @@ def install(model: Any) -> bool:
     """Route the gated-delta rule of `model`'s recurrent layers through `chunked` (inside the
     engine's forwards, for prompts of more than one chunk); whether the model has such layers
     whose module calls mlx-lm's `gated_delta_update`."""
-    from mlx_lm.models import gated_delta as reference
 
     layers = getattr(model, "layers", None) or getattr(getattr(model, "model", None),
                                                          "layers", None) or ()
@@ -129,16 +141,27 @@ def install(model: Any) -> bool:
                                  use_kernel=use_kernel, lower_bound=lower_bound,
                                  allow_neg_eigval=allow_neg_eigval)
             beta = mx.sigmoid(b) * (2.0 if allow_neg_eigval else 1.0)
-            g = reference.compute_g(A_log, a, dt_bias) if lower_bound is None else \
-                reference.compute_lower_bound_g(A_log, a, dt_bias, lower_bound)
-            if g.ndim != 3:  # a per-key decay: mlx-lm's rule
+            log_g = _log_decay(A_log, a, dt_bias, lower_bound)
+            if log_g.ndim != 3:  # a per-key decay: mlx-lm's rule
                 return _original(q, k, v, a, b, A_log, dt_bias, state, mask,
                                  use_kernel=use_kernel, lower_bound=lower_bound,
                                  allow_neg_eigval=allow_neg_eigval)
             if state is None:
                 state = mx.zeros((q.shape[0], v.shape[-2], v.shape[-1], k.shape[-1]),
                                  dtype=mx.float32)
-            return chunked(q, k, v, g, beta, state, mask)
+            return chunked(q, k, v, None, beta, state, mask, log_g=log_g)
 
         module.gated_delta_update = routed
     return found
+
+
+def _log_decay(A_log: mx.array, a: mx.array, dt_bias: mx.array,
+               lower_bound: float | None) -> mx.array:
+    """The log of mlx-lm's decay g (compute_g / compute_lower_bound_g), computed as a log:
+    finite where g itself underflows to 0."""
+    import mlx.nn as nn
+
+    rate = mx.exp(A_log.astype(mx.float32))
+    if lower_bound is None:
+        return -rate * nn.softplus(a + dt_bias)
+    return lower_bound * mx.sigmoid(rate * (a.astype(mx.float32) + dt_bias))
