@@ -96,3 +96,30 @@ def test_a_failed_step_is_said_in_one_line_and_the_first_few_only(demo, caplog):
     assert all("\n" not in m and "simulated kernel failure" in m for m in said)
     assert "its 9 rows run again, half at a time" in said[0]
     assert said[-1].endswith("further failed steps are not said")
+
+
+def test_a_row_whose_log_probabilities_are_not_numbers_fails_with_a_clear_error(demo):
+    """A model whose output is NaN (an overflow in half precision, damaged weights) fails each
+    row with one clear error instead of answering it with an empty "stop"."""
+    import math
+
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    from batchrun.engine.types import Constraint
+
+    name, weight = next((n, a) for n, a in tree_flatten(demo.model.parameters())
+                        if n.endswith("mlp.down_proj.weight"))
+    demo.model.update(tree_unflatten([(name, mx.full(weight.shape, math.nan, weight.dtype))]))
+    try:
+        engine = Engine(demo.model, demo.tokenizer, EngineConfig(max_concurrency=4,
+                                                                 prefix_cache=False),
+                        demo.context_length)
+        outs = engine.generate(["Tell me about kettles.", "And about toasters?"],
+                               SamplingParams(max_tokens=6))
+        labels = engine.generate(["Is this review good?"], SamplingParams(
+            max_tokens=4, constraint=Constraint.choices(["good", "bad"])))
+    finally:
+        demo.model.update(tree_unflatten([(name, weight)]))
+    for out in outs + labels:
+        assert out.finish_reason == FinishReason.ERROR and not out.token_ids
+        assert "not numbers" in out.error

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,13 @@ from batchrun.engine.decoding.reasoning import Markup, ThinkingBudget, ThinkingG
 from batchrun.engine.generate import is_chat, prompt_ids, sampling_params
 from batchrun.engine.kernels import host_attention
 from batchrun.engine.memory import MemoryBudget, kv_budget, measure_kv
-from batchrun.engine.postprocess import Step, StopScanner, make_output, record_logprobs
+from batchrun.engine.postprocess import (
+    NOT_FINITE,
+    Step,
+    StopScanner,
+    make_output,
+    record_logprobs,
+)
 from batchrun.engine.prefix_plan import PrefixNeeded
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence, Status
@@ -442,6 +449,9 @@ class Engine:
                 if seq.choice_tokens is not None:
                     self._answer_choice(seq, step)
                     continue
+            if step.finish_reason == NOT_FINITE:
+                self._finish(seq, FinishReason.ERROR, in_batch=False, error=NOT_FINITE_ERROR)
+                continue
             if step.token in self.backend.eos or step.token in seq.params.stop_token_ids:
                 self._finish(seq, FinishReason.STOP, in_batch)
                 continue
@@ -458,6 +468,10 @@ class Engine:
         """Right after a choices row's prompt: score every choice, answer one, finish."""
         in_batch = step.finish_reason is None
         answer_choice(seq, *self.backend.choice_state(seq, step))
+        if not all(math.isfinite(v) for v in (seq.choice_logprobs or {}).values()):
+            seq.answer, seq.choice_logprobs, seq.tokens = None, None, []
+            self._finish(seq, FinishReason.ERROR, in_batch, error=NOT_FINITE_ERROR)
+            return
         self._finish(seq, FinishReason.STOP, in_batch)
 
     def _finish(self, seq: Sequence, reason: FinishReason, in_batch: bool,
@@ -539,6 +553,10 @@ class Engine:
         it made itself (Engine.load's) lets go of its threads and folder."""
         self.cache_control.close()
         self.backend.close()
+
+
+NOT_FINITE_ERROR = ("the model's log-probabilities for this row are not numbers (NaN or "
+                    "infinite): an overflow in half precision, or damaged weights")
 
 
 def _out_of_memory(error: Exception) -> bool:

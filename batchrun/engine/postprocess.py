@@ -15,6 +15,10 @@ import mlx.core as mx
 from batchrun.engine.sequence import Sequence
 from batchrun.engine.types import FinishReason, Output
 
+# A row's finish reason when its log-probabilities are not numbers (NaN, or an infinite
+# normalizer): an overflow in half precision, or damaged weights. The row fails.
+NOT_FINITE = "not_finite"
+
 
 @dataclass(slots=True)
 class Step:
@@ -22,7 +26,7 @@ class Step:
 
     uid: int
     token: int
-    finish_reason: str | None  # the backend's: "stop", "length", or None (still running)
+    finish_reason: str | None  # the backend's: "stop", "length", NOT_FINITE, or None (running)
     logprobs: mx.array | None = None  # the whole distribution, where the backend gives it
     token_logprob: float | None = None  # else the sampled token's ...
     top: list[tuple[int, float]] | None = None  # ... and the top alternatives

@@ -34,6 +34,17 @@ from mlx_lm.models.cache import TokenBuffer
 from batchrun.engine.decoding.constrain import GrammarProcessor
 from batchrun.engine.decoding.sampling import LogitAdjustments, RowAdjustments, greedy
 from batchrun.engine.decoding.speculate import Speculator, ngram_proposal, rollback
+from batchrun.engine.postprocess import NOT_FINITE
+
+
+def _not_finite(logprobs: mx.array | None) -> set[int]:
+    """Rows whose log-probabilities are not a distribution, judged by the first token's (NaN
+    spreads over the row; an infinite normalizer makes it NaN or positive): one small read a
+    step, not a pass over the vocabulary."""
+    if logprobs is None:
+        return set()
+    bad = np.asarray(~(logprobs[:, 0] < 1.0))
+    return set(np.flatnonzero(bad).tolist()) if bad.any() else set()
 
 
 def _matrix(logprobs) -> mx.array | None:
@@ -159,6 +170,7 @@ class LeanGenerationBatch(GenerationBatch):
         self._next_logprobs = logprobs
         mx.async_eval(self._next_tokens, logprobs, contexts)
         mx.eval(inputs, current)
+        self._not_finite = _not_finite(current)
         tokens = inputs.tolist()
         for row, token in zip(self.tokens, tokens, strict=True):
             row.append(token)
@@ -255,9 +267,11 @@ class LeanGenerationBatch(GenerationBatch):
         one_time_s = 0.0
         if speculating:
             emitted, logprobs, one_time_s = self._finish(spec, ahead or self._verify(spec))
+            broken: set[int] = set()
         else:
             tokens, logprobs = self._step()
             emitted = [[t] for t in tokens]
+            broken = self._not_finite
         if spec is not None:
             spec.step(speculating, rows, sum(map(len, emitted)) if speculating else rows,
                       one_time_s)
@@ -270,6 +284,8 @@ class LeanGenerationBatch(GenerationBatch):
                 reason = "length" if self._num_tokens[i] >= self.max_tokens[i] else None
                 if self._matchers[i].advance(token):
                     reason = "stop"
+                if i in broken:
+                    reason = NOT_FINITE  # the token came from no distribution: the row fails
                 responses.append(self.Response(
                     uid=uid, token=token,
                     logprobs=logprobs[i] if n == 0 and uid in wanted else None,
