@@ -37,14 +37,16 @@ from batchrun.engine.decoding.speculate import Speculator, ngram_proposal, rollb
 from batchrun.engine.postprocess import NOT_FINITE
 
 
-def _not_finite(logprobs: mx.array | None) -> set[int]:
-    """Rows whose log-probabilities are not a distribution, judged by the first token's (NaN
-    spreads over the row; an infinite normalizer makes it NaN or positive): one small read a
-    step, not a pass over the vocabulary."""
-    if logprobs is None:
-        return set()
-    bad = np.asarray(~(logprobs[:, 0] < 1.0))
-    return set(np.flatnonzero(bad).tolist()) if bad.any() else set()
+def _broken(logprobs: mx.array) -> mx.array:
+    """Per row, whether its log-probabilities are no distribution, judged by the first token's
+    (NaN spreads over the row; an infinite normalizer makes it NaN or positive): no pass over
+    the vocabulary."""
+    return ~(logprobs[:, 0] < 1.0)
+
+
+def _rows(broken: mx.array) -> set[int]:
+    flags = np.asarray(broken)
+    return set(np.flatnonzero(flags).tolist()) if flags.any() else set()
 
 
 def _matrix(logprobs) -> mx.array | None:
@@ -86,6 +88,9 @@ class LeanGenerationBatch(GenerationBatch):
     _ahead: _Verification | None = None
     _plain_next = False
     _adjustments: RowAdjustments | None = None  # the rows' logit bias and min_tokens, as one
+    # Per row of _next_logprobs, whether it is no distribution (NaN; made with them, so reading
+    # it costs no extra pass): None where rows joined or a speculative step made them.
+    _next_broken: mx.array | None = None
 
     @classmethod
     def empty(cls, model, fallback_sampler, logprob_uids: set[int] | None = None):
@@ -131,6 +136,7 @@ class LeanGenerationBatch(GenerationBatch):
         self._token_context.extend(batch._token_context)
         self._num_tokens.extend(batch._num_tokens)
         self._matchers.extend(batch._matchers)
+        self._next_broken = None
         mine, theirs = _matrix(self._next_logprobs), _matrix(batch._next_logprobs)
         if mine is None or self._next_tokens is None or self._next_tokens.size == 0:
             self._next_tokens, self._next_logprobs = batch._next_tokens, theirs
@@ -147,13 +153,15 @@ class LeanGenerationBatch(GenerationBatch):
             setattr(self, name, [values[i] for i in keep])
         if not keep:
             self.prompt_cache.clear()
-            self._next_tokens, self._next_logprobs = None, None
+            self._next_tokens, self._next_logprobs, self._next_broken = None, None, None
             return
         for c in self.prompt_cache:
             c.filter(keep)
         index = mx.array(keep)
         self._next_tokens = self._next_tokens[index]
         self._next_logprobs = _matrix(self._next_logprobs)[index]
+        if self._next_broken is not None:
+            self._next_broken = self._next_broken[index]
 
     def _step(self) -> tuple[list[int], mx.array]:
         """Start the next step on the device; return the tokens (and logprobs) of this one."""
@@ -166,11 +174,14 @@ class LeanGenerationBatch(GenerationBatch):
             mx.async_eval(logits)
             logits, contexts = self._process(logits, inputs)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        broken = self._next_broken if self._next_broken is not None or current is None \
+            else _broken(current)
         self._next_tokens = self._sample(logprobs)
         self._next_logprobs = logprobs
-        mx.async_eval(self._next_tokens, logprobs, contexts)
-        mx.eval(inputs, current)
-        self._not_finite = _not_finite(current)
+        self._next_broken = _broken(logprobs)
+        mx.async_eval(self._next_tokens, logprobs, self._next_broken, contexts)
+        mx.eval(inputs, current, broken)
+        self._not_finite = set() if broken is None else _rows(broken)
         tokens = inputs.tolist()
         for row, token in zip(self.tokens, tokens, strict=True):
             row.append(token)
@@ -427,6 +438,7 @@ class LeanGenerationBatch(GenerationBatch):
         self._next_tokens = mx.array([chosen[i][n] for i, n in enumerate(kept)],
                                      dtype=v.dtype)
         self._next_logprobs = v.logprobs[mx.arange(rows), mx.array(kept)]
+        self._next_broken = None
         # the rollback's moves too: the device makes them while the host hands out the tokens
         caches = self.prompt_cache + (spec.draft.caches if spec.method == "draft" else [])
         mx.async_eval(self._next_tokens, self._next_logprobs,
