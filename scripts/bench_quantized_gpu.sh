@@ -6,6 +6,7 @@
 #     bash scripts/bench_quantized_gpu.sh moe     # qwen3_moe bench shape: bf16 and 4-bit
 #     bash scripts/bench_quantized_gpu.sh probe moedecode agree   # the follow-ups below
 #     bash scripts/bench_quantized_gpu.sh sliding # gemma3 and gpt_oss bench shapes, bf16
+#     bash scripts/bench_quantized_gpu.sh hybrid  # qwen3_5 and granite_hybrid bench shapes, bf16
 #
 # Run from the repository root after the wheel set-up line of shared/gpu/README.md (or, on a
 # machine still warm from it, alone: the environment is set up again from /tmp/site). Models are
@@ -29,6 +30,9 @@
 #          then the 4-bit mixture of experts.
 #   sliding: labeling (batchrun cold/warm, the peer) for the sliding-window shapes (gemma3 and
 #          gpt_oss, bf16): rows start from cached blocks, each holding its copy of them.
+#   hybrid: labeling (batchrun cold/warm, the peer) for the hybrid recurrent shapes (qwen3_5,
+#          granite_hybrid, bf16: state snapshots, the chunked gated-delta rule), then qwen3_5's
+#          decode against batch_generate.
 # Sizes can be shrunk for a dry run on a CPU: BQ_SIZE=tiny BQ_LAB_ROWS=8 BQ_LAB_WORDS=100
 # BQ_TOKENS=8 BQ_DEC_ROWS=8 BQ_DEC_CONC=8 ...
 set -u
@@ -270,10 +274,21 @@ sliding() {
   labeling sliding gptoss-bf16 "$o" batchrun,peer
 }
 
+hybrid() {
+  local q=$W/models/qwen35-bf16 r=$W/models/granite-bf16
+  builds hybrid qwen35-bf16 qwen3_5 none granite-bf16 granite_hybrid none || return 1
+  prime hybrid qwen35-bf16 "$q"
+  prime hybrid granite-bf16 "$r"
+  labeling hybrid qwen35-bf16 "$q" batchrun,peer
+  labeling hybrid granite-bf16 "$r" batchrun,peer
+  decode hybrid qwen35-bf16 "$q" batchrun,batch_generate
+}
+
 for phase in "$@"; do
   case $phase in
-    dense|moe|probe|moedecode|agree|sliding) ;;
-    *) echo "unknown phase $phase (dense, moe, probe, moedecode, agree, sliding)" >&2; exit 2 ;;
+    dense|moe|probe|moedecode|agree|sliding|hybrid) ;;
+    *) echo "unknown phase $phase (dense, moe, probe, moedecode, agree, sliding, hybrid)" >&2
+       exit 2 ;;
   esac
   {
     echo "== phase $phase: $(date -u +%FT%TZ), $(nvidia-smi --query-gpu=name,memory.total \
