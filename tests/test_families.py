@@ -109,7 +109,7 @@ def test_rows_start_from_cached_blocks_with_mlx_lms_tokens(models, kind, tmp_pat
 
 
 @pytest.mark.parametrize("kind", ["gemma3", "qwen3_5"])
-def test_choices_score_what_mlx_lm_scores(models, kind):
+def test_choices_score_what_mlx_lm_scores(models, kind, monkeypatch):
     """A choices row's log-probabilities are the model's: the prompt and each choice's tokens
     through mlx-lm's own forward (the window applied, the state carried), from a cached prefix
     or not."""
@@ -117,10 +117,18 @@ def test_choices_score_what_mlx_lm_scores(models, kind):
     rows = labeling_rows(4)
     choices = ["positive review", "negative one here", "neutral"]
     model, tokenizer = load(path)
+    from batchrun.engine.decoding import choices as scoring
+
+    starts = []
+    real = scoring.choice_logprobs
+    monkeypatch.setattr(scoring, "choice_logprobs", lambda *a: starts.append(a[-1]) or real(*a))
     for prefix_cache in (False, True):
+        starts.clear()
         engine = Engine.load(path, EngineConfig(max_concurrency=8, prefix_cache=prefix_cache))
         outs = engine.generate(rows, SamplingParams(max_tokens=8,
                                                     constraint=Constraint.choices(choices)))
+        # from the row's cached blocks: only the rest of its prompt is computed again
+        assert len(starts) == len(rows) and all((s > 0) == prefix_cache for s in starts)
         encode = engine.backend.tokenizer.encode
         engine.close()
         for row, out in zip(rows, outs, strict=True):

@@ -76,6 +76,7 @@ class TextBackend:
         self.vocab_size = vocab_size(model, tokenizer)
         self._eos_stops = StopSequences([(t,) for t in self.eos])
         self._logprob_uids: set[int] = set()  # running rows whose steps carry logprobs
+        self._choice_blocks: dict[int, list[Block]] = {}  # a choices row's cached blocks
         self._gen: BatchGenerator | None = None
         self._speculator = None  # speculate.Speculator: speculative decoding, narrow batches
         self.shares_prefix = False  # rows attend one shared copy of a cached prefix
@@ -127,6 +128,7 @@ class TextBackend:
         self.close()
         self._prefill_step = config.prefill_step_size
         self._logprob_uids.clear()
+        self._choice_blocks.clear()
         self._gen = BatchGenerator(
             self.model, stop_tokens=[[t] for t in self.eos],
             completion_batch_size=max_concurrency,
@@ -170,9 +172,11 @@ class TextBackend:
             logits_processors=[self._processors(s) for s in seqs],
             stop_sequences=[self._stops(s.params) for s in seqs],
         )
-        for uid, s in zip(uids, seqs, strict=True):
+        for uid, s, b in zip(uids, seqs, blocks, strict=True):
             if s.params.logprobs or s.params.top_logprobs or s.choice_tokens:
                 self._logprob_uids.add(uid)
+            if s.choice_tokens and b and (self._windowed or self._stateful):
+                self._choice_blocks[uid] = b  # its choices are scored from them (choice_state)
         return uids
 
     def _processors(self, seq: Sequence) -> list:
@@ -350,8 +354,16 @@ class TextBackend:
         """(model, the prompt's KV or None, the first token's log-probabilities) for scoring a
         choices row's choices (choices.py): the row's own cache while it is in the batch. A
         sliding-window layer's cache, cut out of the batch after the step, may already hold the
-        next position in its window: such a model's prompt is computed again for its choices."""
-        if step.finish_reason is not None or self._windowed or self._stateful:
+        next position in its window, and a recurrent one's state is past the prompt: such a
+        model's prompt is computed again for its choices, from the cached blocks the row
+        started from (a fourth item: the tokens they hold)."""
+        blocks = self._choice_blocks.pop(step.uid, None)
+        if self._windowed or self._stateful:
+            if not blocks:
+                return self.model, None, None
+            start = sum(len(b.tokens) for b in blocks)
+            return self.model, PrefixCache.to_row_caches(blocks, self._kinds), None, start
+        if step.finish_reason is not None:
             return self.model, None, None
         layer_caches, _ = self._gen.extract_cache([step.uid])[step.uid]
         return self.model, layer_caches, step.logprobs
@@ -372,6 +384,7 @@ class TextBackend:
         if in_batch:
             self._gen.remove([uid])
         self._logprob_uids.discard(uid)
+        self._choice_blocks.pop(uid, None)
 
     def close(self) -> None:
         if self._gen is not None:

@@ -21,15 +21,19 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 
 
 def choice_logprobs(model: Any, prompt_cache: list[KVCache] | None, prompt: list[int],
-                    first: mx.array | None, choices: list[list[int]]) -> list[list[float]]:
+                    first: mx.array | None, choices: list[list[int]],
+                    start: int = 0) -> list[list[float]]:
     """Each choice's per-token log-probabilities after `prompt` (their sum: the choice's).
 
-    `prompt_cache` holds the prompt's keys and values (one KVCache per layer) and `first` the
-    log-probabilities of the token after the prompt; without them both are computed here.
+    `prompt_cache` holds the prompt's keys and values (one cache per layer) and `first` the
+    log-probabilities of the token after the prompt; without `first` both are computed here,
+    from `prompt_cache` holding the prompt's first `start` tokens when `start` is given (a
+    cached prefix), else from nothing.
     """
-    if prompt_cache is None or first is None:
-        prompt_cache = make_prompt_cache(model)
-        logits = model(mx.array(prompt)[None], cache=prompt_cache)[0, -1]
+    if first is None:
+        if prompt_cache is None or not start:
+            prompt_cache, start = make_prompt_cache(model), 0
+        logits = model(mx.array(prompt[start:])[None], cache=prompt_cache)[0, -1]
         first = log_softmax(logits)
     first = first.astype(mx.float32)
     per_token = [[first[tokens[0]]] for tokens in choices]
@@ -50,15 +54,17 @@ def choice_logprobs(model: Any, prompt_cache: list[KVCache] | None, prompt: list
 
 
 def answer_choice(seq: Any, model: Any, cache: list[KVCache] | None,
-                  first: mx.array | None) -> None:
+                  first: mx.array | None, start: int = 0) -> None:
     """Score a choices row's choices after its prompt and set its answer (engine sequence:
     choice_logprobs, tokens, answer, logprobs). `cache`: the prompt's KV as the batch holds it
-    (with the first generated token, dropped here), or None to compute it."""
-    if cache is not None:
+    (with the first generated token, dropped here); or, without `first`, caches holding the
+    prompt's first `start` tokens (a cached prefix) to compute the rest from; or None to
+    compute it all."""
+    if cache is not None and first is not None:
         for layer in cache:
             layer.offset = len(seq.prompt)
     per_token = choice_logprobs(model, cache, seq.prompt, first if cache is not None else None,
-                                seq.choice_tokens)
+                                seq.choice_tokens, start)
     totals = [sum(lps) for lps in per_token]
     choices = seq.params.constraint.value
     seq.choice_logprobs = dict(zip(choices, totals, strict=True))
