@@ -24,10 +24,11 @@
 #          bf16, then 4-bit --weights quantized (batchrun only).
 #   moe:   builds, throwaways, labeling and decode for bf16 and 4-bit (auto weights).
 #   probe: which expert operations fail past how many routed rows (probe_expert_rows.py).
-#   moedecode: the moe phase's decode items alone (builds and throwaways first).
+#   moedecode: the moe phase's decode items alone (builds and throwaways first; the 4-bit model
+#          by batchrun only).
 #   agree: greedy tokens of batchrun (auto weights) against mlx-lm's own generation of the
-#          4-bit model as loaded, on the labeling rows (check_greedy_agreement.py): qwen3 4-bit,
-#          then the 4-bit mixture of experts.
+#          model as loaded, on the labeling rows (check_greedy_agreement.py; $BQ_AGREE_ROWS of
+#          them): qwen3 bf16 (the baseline), qwen3 4-bit, then the 4-bit mixture of experts.
 #   sliding: labeling (batchrun cold/warm, the peer) for the sliding-window shapes (gemma3 and
 #          gpt_oss, bf16): rows start from cached blocks, each holding its copy of them.
 #   hybrid: labeling (batchrun cold/warm, the peer) for the hybrid recurrent shapes (qwen3_5,
@@ -252,17 +253,23 @@ moedecode() {
   prime moedecode moe-bf16 "$b"
   prime moedecode moe-q4-auto "$q"
   decode moedecode moe-bf16 "$b" batchrun,batch_generate
-  decode moedecode moe-q4-auto "$q" batchrun,batch_generate
+  # The 4-bit target is against the bf16 batchrun figure just measured.
+  decode moedecode moe-q4-auto "$q" batchrun
 }
 
 agree() {
-  local q=$W/models/qwen3-4bit m=$W/models/moe-4bit
-  build qwen3-4bit qwen3 4bit || return 1
-  item agree agree-q4 300 120 $PY scripts/check_greedy_agreement.py "$q" "$OUT/agree-q4" \
-    --rows "$LAB_ROWS" --instruction "$LAB_WORDS" --max-tokens "$LAB_TOKENS"
+  local q=$W/models/qwen3-4bit b=$W/models/qwen3-bf16 m=$W/models/moe-4bit
+  local rows=${BQ_AGREE_ROWS:-$LAB_ROWS}
+  # The bf16 twin first: what batching alone does to a random-weight model's greedy tokens,
+  # the baseline the 4-bit model's share is read against.
+  builds agree qwen3-bf16 qwen3 none qwen3-4bit qwen3 4bit || return 1
+  item agree agree-bf16 300 100 $PY scripts/check_greedy_agreement.py "$b" "$OUT/agree-bf16" \
+    --rows "$rows" --instruction "$LAB_WORDS" --max-tokens "$LAB_TOKENS"
+  item agree agree-q4 300 100 $PY scripts/check_greedy_agreement.py "$q" "$OUT/agree-q4" \
+    --rows "$rows" --instruction "$LAB_WORDS" --max-tokens "$LAB_TOKENS"
   build moe-4bit qwen3_moe 4bit || return 1
   item agree agree-moe-q4 300 120 $PY scripts/check_greedy_agreement.py "$m" \
-    "$OUT/agree-moe-q4" --rows "$LAB_ROWS" --instruction "$LAB_WORDS" --max-tokens "$LAB_TOKENS"
+    "$OUT/agree-moe-q4" --rows "$rows" --instruction "$LAB_WORDS" --max-tokens "$LAB_TOKENS"
 }
 
 sliding() {
