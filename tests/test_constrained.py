@@ -266,3 +266,75 @@ def test_job_file_labels_the_sample_reviews_with_choices(tmp_path):
         assert tuple(probs) == ("positive", "negative", "neutral")
         assert text in probs
         assert sum(probs.values()) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_choice_paths_run_each_branch_of_the_choices_once():
+    from batchrun.engine.decoding.choices import choice_paths
+
+    # inputs (each choice but its last token): (1, 2), (1, 2), (1,), () -> one path, [1, 2]
+    assert choice_paths([[1, 2, 3], [1, 2, 4], [1, 5], [7]]) == ([[1, 2]], [0, 0, 0, None])
+    # two branches, the longer first
+    assert choice_paths([[1, 2], [3, 4, 5], [3, 6]]) == ([[3, 4], [1]], [1, 0, 0])
+    assert choice_paths([[4], [5]]) == ([], [None, None])
+
+
+def normalized(logprobs: dict) -> dict:
+    from batchrun.engine.decoding.choices import normalized as probs
+
+    return probs(logprobs)
+
+
+def _scored_rows(monkeypatch) -> list[int]:
+    """The number of rows each batched scoring call took (text backend)."""
+    from batchrun.engine.backends import text
+
+    sizes, batched = [], text.batch_choice_logprobs
+
+    def counting(model, firsts, rows, caches_for, **kw):
+        sizes.append(len(rows))
+        return batched(model, firsts, rows, caches_for, **kw)
+
+    monkeypatch.setattr(text, "batch_choice_logprobs", counting)
+    return sizes
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared-prefix", "copied-prefix"])
+def test_choices_scored_together_equal_each_row_scored_alone(demo, tmp_path, monkeypatch,
+                                                             shared):
+    """Rows that finish their prompts in one step are scored in one forward from the batch's
+    KV: the same log-probabilities as an uncached forward of each row (float32, 1e-5) and the
+    same answers as at concurrency 1, with two instructions mixed in one batch, a cold and a
+    warm prefix cache, greedy and seeded sampling."""
+    sizes = _scored_rows(monkeypatch)
+    instructions = ["Label the review's sentiment. " * 12, "Is the buyer happy? Answer. " * 14]
+    prompts = [instructions[i % 2] + review(i) + " Label:" for i in range(24)]
+    params = [SamplingParams(constraint=Constraint.choices(CHOICES)) if i % 3 else
+              SamplingParams(constraint=Constraint.choices(CHOICES), temperature=1.0, seed=i)
+              for i in range(24)]
+
+    def outputs(concurrency: int) -> list:
+        engine = Engine(demo.model, demo.tokenizer,
+                        EngineConfig(max_concurrency=concurrency, shared_prefix=shared,
+                                     cache_dir=str(tmp_path / f"cache-{concurrency}")),
+                        demo.context_length, model_fingerprint=demo.fingerprint)
+        engine.enable_prefix_cache()
+        for p, sp in zip(prompts, params, strict=True):
+            engine.add_request(p, sp)
+        try:
+            return engine.run()
+        finally:
+            engine.close()  # its blocks written for the warm run
+
+    alone = outputs(1)
+    assert set(sizes) == {1}  # a row alone
+    cold, warm = outputs(64), outputs(64)
+    assert max(sizes) > 1  # rows were scored together
+    assert sum(o.cached_tokens for o in warm) > sum(o.prompt_tokens for o in warm) / 2
+    for prompt, a, c, w in zip(prompts, alone, cold, warm, strict=True):
+        assert a.text == c.text == w.text
+        expected = {choice: choice_logprob(demo, prompt, choice) for choice in CHOICES}
+        for out in (a, c, w):
+            # a sum of float32 log-probabilities near -150 is good to ~1e-5 either way
+            assert out.choice_logprobs == pytest.approx(expected, rel=1e-6, abs=1e-5)
+            assert normalized(out.choice_logprobs) == pytest.approx(normalized(expected),
+                                                                    abs=1e-5)

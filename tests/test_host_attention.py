@@ -165,24 +165,24 @@ def test_a_process_whose_engine_routed_the_attention_keeps_mlxs_outside_the_engi
 def test_a_choices_rows_scoring_goes_through_it_to_the_same_answer(pair, monkeypatch):
     """Every forward of an engine step takes it, a choices row's scoring of its multi-token
     choices (after the batch's step) too: the same answers and choice log-probabilities."""
-    from batchrun.engine import engine as engine_module
+    from batchrun.engine.backends.text import TextBackend
     from batchrun.engine.config import EngineConfig
     from batchrun.engine.engine import Engine
     from batchrun.engine.types import Constraint
 
     choices = ["positive", "negative", "neutral", "mixed feelings"]
     scoring, calls = [False], []
-    answer = engine_module.answer_choice
+    score = TextBackend.score_choices
 
     def answering(*args):
         scoring[0] = True
         try:
-            return answer(*args)
+            return score(*args)
         finally:
             scoring[0] = False
 
     attention = ha.attention
-    monkeypatch.setattr(engine_module, "answer_choice", answering)
+    monkeypatch.setattr(TextBackend, "score_choices", answering)
     monkeypatch.setattr(ha, "attention", lambda q, *a: (scoring[0] and calls.append(q.shape))
                         or attention(q, *a))
     outs = {}

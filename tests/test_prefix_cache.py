@@ -109,20 +109,37 @@ def test_shared_prefix_is_computed_once_and_outputs_do_not_change(demo):
     assert cache.stats.hits == 12 and cache.stats.misses == 0
     assert cached_engine.stats.cached_tokens == 12 * shared
     stats = cached_engine.get_cache_stats()
-    assert stats["blocks"] == blocks // 32 and stats["hit_tokens"] == 12 * blocks
-    # A second pass is served entirely from the cache, with the same outputs.
+    # each row kept its own prompt's full blocks past the shared ones (in memory only)
+    kept = sum((o.prompt_tokens - 1) // 32 for o in outs) - 12 * (blocks // 32)
+    assert stats["kept_blocks"] == kept > 0
+    assert stats["blocks"] == blocks // 32 + kept and stats["hit_tokens"] == 12 * blocks
+    # A second pass is served from the cache, each row its own prompt's blocks too, with the
+    # same outputs.
     again = run_chat(cached_engine, rows)
     assert [o.token_ids for o in again] == [o.token_ids for o in plain]
-    assert all(o.cached_tokens == shared for o in again)
+    assert all(o.cached_tokens == (o.prompt_tokens - 1) // 32 * 32 > shared for o in again)
 
 
-def test_unique_prompts_store_nothing(demo):
-    cache = make_prefix_cache(FP, 1 << 30, None, block_size=16)
-    e = engine(demo, cache)
-    for i in range(4):
-        e.add_request(f"Row {i} " + "unique words here " * 10, SamplingParams(max_tokens=3))
-    e.run()
-    assert len(cache.blocks) == 0  # no other row shared them: not worth caching
+def test_unique_prompts_are_kept_in_memory_and_written_to_disk_once_reused(demo, tmp_path):
+    """A row's computed prompt stays in memory for a later row; it reaches the disk only when
+    one reuses it (a job of unique prompts writes nothing there)."""
+    cache = make_prefix_cache(FP, 1 << 30, tmp_path, block_size=16,
+                              layout=block_layout(demo.model))
+    e = engine(demo, cache, max_concurrency=2)
+    prompts = [f"Row {i} " + "unique words here " * 10 for i in range(4)]
+    plain = [o.token_ids for o in engine(demo, max_concurrency=2).generate(
+        [*prompts, prompts[0] + " and more"], SamplingParams(max_tokens=3))]
+    first = e.generate(prompts, SamplingParams(max_tokens=3))
+    assert all(o.cached_tokens == 0 for o in first)
+    cache.flush()
+    assert cache.stats.kept_blocks == len(cache.blocks) > 0 and cache.stats.stored_blocks == 0
+    assert entry_files(cache.disk.folder) == []  # nobody reused them yet
+    later = e.generate([prompts[0] + " and more"], SamplingParams(max_tokens=3))[0]
+    own = (len(demo.tokenizer.encode(prompts[0])) - 1) // 16 * 16
+    assert later.cached_tokens >= own > 0
+    assert [o.token_ids for o in first] + [later.token_ids] == plain
+    cache.flush()
+    assert len(entry_files(cache.disk.folder)) == own // 16  # written once reused
 
 
 def test_lru_eviction_by_bytes():
@@ -147,7 +164,9 @@ def test_disk_round_trip_and_corrupt_entries_are_skipped(demo, tmp_path):
     first = make_prefix_cache(FP, 1 << 30, tmp_path, block_size=32, layout=layout)
     run_chat(engine(demo, first, max_concurrency=3), rows)
     files = sorted(entry_files(first.disk.folder))
-    assert len(files) == len(first.blocks) >= 4
+    # the shared blocks; the rows' own prompt blocks stay in memory (nobody reused them)
+    assert len(files) == first.stats.stored_blocks >= 4
+    assert len(first.blocks) == len(files) + first.stats.kept_blocks
 
     # A fresh process's view: everything comes from disk, outputs unchanged.
     warm = make_prefix_cache(FP, 1 << 30, tmp_path, block_size=32, layout=layout)
@@ -332,6 +351,13 @@ def test_cli_second_run_is_served_from_disk(tmp_path):
     report = orjson.loads((tmp_path / "b" / "report.json").read_bytes())
     assert report["cached_prompt_tokens"] == sum(r["usage"]["cached_tokens"] for r in b)
     assert report["cached_prompt_tokens"] >= 0.8 * report["prompt_tokens"]
+    # where they came from: the warm run read the instruction's blocks from disk, the cold
+    # one computed them once and served them from memory
+    cold = orjson.loads((tmp_path / "a" / "report.json").read_bytes())["prompt_sources"]
+    warm = report["prompt_sources"]
+    assert cold["disk"] == 0 < cold["memory"] and warm["disk"] > 0
+    assert warm["computed"] + warm["memory"] + warm["disk"] == report["prompt_tokens"]
+    assert warm["computed"] == report["prompt_tokens"] - report["cached_prompt_tokens"]
 
     out = CliRunner().invoke(cli, ["cache", "ls", "--cache-dir", str(cache)]).output
     assert "blocks" in out
@@ -382,3 +408,31 @@ def test_seed_cache_api_counterparts(demo, tmp_path):
     outs = run_chat(e, rows)
     assert all(o.cached_tokens > 0 for o in outs)
     assert engine(demo).get_cache_stats() is None  # no cache, no stats
+
+
+def test_a_later_turn_reads_the_earlier_rows_computed_prompt(tmp_path):
+    """Row i + 24 repeats row i's system message and user turn and adds a turn; at concurrency
+    2 (10 rows queued), row i finished long before: its computed prompt, kept, serves most of
+    row i + 24's, with the same texts as without the cache."""
+    rows = []
+    for i in range(32):
+        base = i % 24
+        messages = [{"role": "system", "content": f"Case {base}. " + " ".join(
+                         f"fact {base}-{j} holds" for j in range(25))},
+                    {"role": "user", "content": f"Summarize case {base}."}]
+        if i >= 24:
+            messages += [{"role": "assistant", "content": "Done."},
+                         {"role": "user", "content": "And its mood?"}]
+        rows.append({"custom_id": f"r{i}", "messages": messages, "max_tokens": 4})
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(orjson.dumps(r).decode() + "\n" for r in rows))
+    cli_run(data, "--job-dir", tmp_path / "a", "--cache-dir", tmp_path / "cache",
+            "--max-concurrency", "2")
+    cli_run(data, "--job-dir", tmp_path / "b", "--no-prefix-cache", "--max-concurrency", "2")
+    a, b = ([orjson.loads(x) for x in (tmp_path / j / "results.jsonl").read_bytes()
+             .splitlines()] for j in "ab")
+    assert [r["text"] for r in a] == [r["text"] for r in b]
+    later = [r["usage"] for r in a[24:]]
+    assert sum(u["cached_tokens"] for u in later) >= 0.8 * sum(u["prompt_tokens"] for u in later)
+    report = orjson.loads((tmp_path / "a" / "report.json").read_bytes())
+    assert report["prompt_sources"]["memory"] == report["cached_prompt_tokens"] > 0

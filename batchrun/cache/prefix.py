@@ -47,6 +47,10 @@ class Block:
     # The recurrent layers' state at the block's end, their arrays in layer order (a snapshot).
     state: list[mx.array] | None = None
     nbytes: int = 0
+    from_disk: bool = False  # read from the disk cache (a run before computed it)
+    # On disk already, or handed to it; a running row's prompt block is kept in memory only
+    # until a later row reuses it (PrefixCache.store's `persist`).
+    written: bool = True
 
     def __post_init__(self) -> None:
         self.nbytes = sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values) \
@@ -147,7 +151,8 @@ class CacheStats:
     hits: int = 0  # lookups that reused at least one block
     misses: int = 0
     hit_tokens: int = 0
-    stored_blocks: int = 0
+    stored_blocks: int = 0  # computed to be shared (and written to disk)
+    kept_blocks: int = 0  # of running rows' prompts, in memory until reused (store's persist)
     evicted_blocks: int = 0
     disk_loaded_blocks: int = 0
     disk_skipped: int = 0  # corrupt, truncated or foreign entries ignored
@@ -192,6 +197,11 @@ class PrefixCache:
         if self.stateful:
             while found and found[-1].state is None:
                 found.pop()
+        unwritten = [b for b in found if not b.written]
+        if unwritten and self.on_store is not None:  # reused: worth a later run's reading
+            for b in unwritten:
+                b.written = True
+            self.on_store(unwritten)
         return found
 
     def read_ahead(self, tokens: list[int], media: Media = ()) -> None:
@@ -223,6 +233,7 @@ class PrefixCache:
             if block is None:
                 return
             self.stats.disk_loaded_blocks += 1
+            block.from_disk = True
             self.put(block)
 
     def flush(self) -> None:
@@ -246,11 +257,15 @@ class PrefixCache:
 
     def store(self, tokens: list[int], layer_kv: list[tuple[mx.array, mx.array]],
               upto: int, media: Media = (),
-              snapshots: dict[int, list[mx.array]] | None = None) -> list[Block]:
+              snapshots: dict[int, list[mx.array]] | None = None,
+              persist: bool = True, evaluate: bool = True) -> list[Block]:
         """Store the blocks of tokens[:upto] (with the images in `media`) from one sequence's
-        per-layer (keys, values), each (1, kv_heads, >= upto, head_dim), and a recurrent
-        model's `snapshots` (its state at a position: the block ending there keeps it);
-        returns the blocks that were new (or given a snapshot)."""
+        per-layer (keys, values), each (1, kv_heads, >= upto, head_dim) or anything sliced so
+        along positions, and a recurrent model's `snapshots` (its state at a position: the
+        block ending there keeps it); returns the blocks that were new (or given a snapshot).
+        Without `persist`, new blocks go to disk only once a row reuses them (`match`);
+        without `evaluate`, the caller evaluates the new blocks' arrays (several stores at
+        once)."""
         new = []
         parent = self.root
         snapshots = snapshots or {}
@@ -267,11 +282,16 @@ class PrefixCache:
                 # Copies, so the block does not pin the sequence's whole cache buffer.
                 ks = [mx.array(k[:, :, lo:hi, :]) for k, _ in layer_kv]
                 vs = [mx.array(v[:, :, lo:hi, :]) for _, v in layer_kv]
-                mx.eval(ks, vs)
-                block = Block(key, parent, tuple(tokens[lo:hi]), ks, vs, salts[i], state)
+                if evaluate:
+                    mx.eval(ks, vs)
+                block = Block(key, parent, tuple(tokens[lo:hi]), ks, vs, salts[i], state,
+                              written=persist)
                 self.put(block)
                 new.append(block)
-                self.stats.stored_blocks += 1
+                if persist:
+                    self.stats.stored_blocks += 1
+                else:
+                    self.stats.kept_blocks += 1
             else:
                 self.blocks.move_to_end(key)
                 if state is not None and block.state is None:
@@ -282,7 +302,7 @@ class PrefixCache:
                     self._evict()
                     new.append(block)  # written again, with its snapshot
             parent = key
-        if new and self.on_store is not None:
+        if new and persist and self.on_store is not None:
             self.on_store(new)
         return new
 

@@ -20,6 +20,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from batchrun.cache.prefix import Block, PrefixCache
 from batchrun.engine.backends.base import Backend
 from batchrun.engine.cache_control import PrefixCacheControl
 from batchrun.engine.config import EngineConfig, device_defaults
-from batchrun.engine.decoding.choices import answer_choice
+from batchrun.engine.decoding.choices import set_answer
 from batchrun.engine.decoding.constrain import Grammars, choice_token_ids
 from batchrun.engine.decoding.reasoning import Markup, ThinkingBudget, ThinkingGate
 from batchrun.engine.generate import is_chat, prompt_ids, sampling_params
@@ -58,6 +59,9 @@ TIMELINE_INTERVAL_S = 0.5
 # warm_up's rows (first token id, length): unequal lengths, so the prefill is padded as a
 # job's are, and no common start.
 WARM_UP_PROMPTS = ((1, 16), (40, 9))
+# Rows keep their computed prompts' blocks in the prefix cache (_keep_prompts); "0" turns it
+# off, for the side-by-side benchmark (BENCHMARKS.md, "Prefix cache").
+KEEP_PROMPTS = os.environ.get("BATCHRUN_KEEP_PROMPTS", "1") != "0"
 
 
 class Engine:
@@ -436,9 +440,16 @@ class Engine:
             seq.admitted_at = now
             self.stats.prompt_tokens += len(seq.prompt)
             self.stats.cached_tokens += seq.cached
+            self.stats.cached_disk_tokens += seq.cached_disk
 
     def _collect(self, steps: list[Step]) -> None:
         now = time.perf_counter()
+        choosing: list[tuple[Sequence, Step]] = []
+        started = [(s, step) for step in steps
+                   if (s := self.scheduler.running.get(step.uid)) is not None
+                   and s.ttft is None and step.finish_reason is None]
+        if started:
+            self._keep_prompts([s for s, _ in started])
         for step in steps:
             seq = self.scheduler.running.get(step.uid)
             if seq is None:
@@ -447,7 +458,7 @@ class Engine:
             if seq.ttft is None:
                 seq.ttft = now - seq.admitted_at
                 if seq.choice_tokens is not None:
-                    self._answer_choice(seq, step)
+                    choosing.append((seq, step))
                     continue
             if step.finish_reason == NOT_FINITE:
                 self._finish(seq, FinishReason.ERROR, in_batch=False, error=NOT_FINITE_ERROR)
@@ -463,16 +474,46 @@ class Engine:
                 reason = FinishReason.STOP if step.finish_reason == "stop" else \
                     FinishReason.LENGTH
                 self._finish(seq, reason, in_batch=False)
+        if choosing:
+            self._answer_choices(choosing)
 
-    def _answer_choice(self, seq: Sequence, step: Step) -> None:
-        """Right after a choices row's prompt: score every choice, answer one, finish."""
-        in_batch = step.finish_reason is None
-        answer_choice(seq, *self.backend.choice_state(seq, step))
-        if not all(math.isfinite(v) for v in (seq.choice_logprobs or {}).values()):
-            seq.answer, seq.choice_logprobs, seq.tokens = None, None, []
-            self._finish(seq, FinishReason.ERROR, in_batch, error=NOT_FINITE_ERROR)
+    def _keep_prompts(self, rows: list[Sequence]) -> None:
+        """Rows that just computed their prompts keep its full blocks in the prefix cache (in
+        memory, least recently used first; on disk once a later row reuses one), so a later
+        row with the same start (a conversation's next turn, a repeated instruction far down
+        the file) reads them instead of computing them again. Only where the backend hands out
+        a row's prompt KV from the batch."""
+        cache = self.prefix_cache
+        if cache is None or not KEEP_PROMPTS or not getattr(self.backend, "keeps_prompts", False):
             return
-        self._finish(seq, FinishReason.STOP, in_batch)
+        rows = [s for s in rows if not s.media and s.block_keys
+                and any(k not in cache.blocks for k in s.block_keys)]
+        if not rows:
+            return
+        upto = [len(s.block_keys) * cache.block_size for s in rows]
+        kept = []
+        for seq, n, layer_kv in zip(rows, upto,
+                                    self.backend.prompt_kv([s.uid for s in rows], upto),
+                                    strict=True):
+            for block in cache.store(seq.prompt, layer_kv, n, persist=False, evaluate=False):
+                kept.extend((*block.keys, *block.values))
+        # Copied on the device behind the running step, not waited for: the host goes on.
+        mx.async_eval(kept)
+
+    def _answer_choices(self, rows: list[tuple[Sequence, Step]]) -> None:
+        """Right after choices rows' prompts: score every row's choices (together, where the
+        backend can), answer one each, finish them."""
+        scores = self.backend.score_choices(rows)
+        # They leave the batch together: one filter of its caches instead of one a row.
+        self.backend.leave([seq.uid for seq, step in rows
+                            if step.finish_reason is None and seq.status is Status.RUNNING])
+        for (seq, _), per_token in zip(rows, scores, strict=True):
+            set_answer(seq, per_token)
+            if not all(math.isfinite(v) for v in seq.choice_logprobs.values()):
+                seq.answer, seq.choice_logprobs, seq.tokens = None, None, []
+                self._finish(seq, FinishReason.ERROR, in_batch=False, error=NOT_FINITE_ERROR)
+                continue
+            self._finish(seq, FinishReason.STOP, in_batch=False)
 
     def _finish(self, seq: Sequence, reason: FinishReason, in_batch: bool,
                 error: str | None = None) -> None:

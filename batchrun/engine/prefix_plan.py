@@ -49,6 +49,7 @@ class PrefixPlanner:
         if compute and shared > n and not seq.prefix_computed:
             return PrefixNeeded(seq, blocks, shared * self.cache.block_size)
         seq.cached = n * self.cache.block_size
+        seq.cached_disk = sum(b.from_disk for b in blocks) * self.cache.block_size
         return blocks
 
     def admitted(self, seq: Sequence) -> None:

@@ -44,6 +44,7 @@ class Sequence:
     # and whether the prefix it shares with other rows was computed for it (tried once).
     block_keys: list[bytes] = field(default_factory=list)
     cached: int = 0
+    cached_disk: int = 0  # of them, in blocks a run before computed (read from disk)
     prefix_computed: bool = False
     # Choices rows (choices.py): each choice's tokens, their log-probabilities, the answer.
     choice_tokens: list[list[int]] | None = None
@@ -73,4 +74,4 @@ class Sequence:
         self.stops = stops
         self.processor, self.choice_logprobs, self.answer = None, None, None
         self.thinking_budget = None
-        self.cached = 0
+        self.cached = self.cached_disk = 0

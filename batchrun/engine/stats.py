@@ -22,6 +22,7 @@ class EngineStats:
     requests_finished: int = 0
     prompt_tokens: int = 0  # tokens of admitted prompts, cached ones included
     cached_tokens: int = 0
+    cached_disk_tokens: int = 0  # of them, from blocks read from disk (a run before's)
     completion_tokens: int = 0
     # Wall time of the steps that ran prompt work (they decode the running rows too), and of
     # the steps that only decoded, with the tokens those made.

@@ -56,12 +56,16 @@ class Backend(Protocol):
     def remove(self, uid: int, in_batch: bool) -> None:
         """A row is finished; `in_batch`: the batch has not dropped it itself."""
 
+    def leave(self, uids: list[int]) -> None:
+        """Rows leave the batch at once (one filter of its caches, not one a row); each is
+        then removed with `in_batch` False."""
+
     def compute_prefix(self, seq: Sequence, upto: int, blocks: list[Block]) -> list[tuple]:
         """Prefill `seq.prompt[:upto]` for the row alone, after `blocks` (cached already): each
         layer's (keys, values) over all of them, for the prefix cache."""
 
-    def choice_state(self, seq: Sequence, step: Step) -> tuple:
-        """(model callable on token ids with a cache, the prompt's per-layer KV or None, the
-        first generated token's log-probabilities or None) to score a choices row's choices."""
+    def score_choices(self, rows: list[tuple[Sequence, Step]]) -> list[list[list[float]]]:
+        """For choices rows that finished their prompt this step: each row's per-token
+        log-probabilities of each of its choices (choices.py)."""
 
     def close(self) -> None: ...

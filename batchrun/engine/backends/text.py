@@ -15,7 +15,13 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    BatchKVCache,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 from batchrun.cache.layout import layer_kinds
 from batchrun.cache.prefix import Block, PrefixCache, window_cache
@@ -23,6 +29,7 @@ from batchrun.engine.backends.batch import LeanGenerationBatch, LeanPromptBatch
 from batchrun.engine.backends.prompt import PromptBuilder
 from batchrun.engine.backends.tokens import common_length
 from batchrun.engine.config import EngineConfig
+from batchrun.engine.decoding.choices import batch_choice_logprobs, score_alone
 from batchrun.engine.decoding.sampling import LogitAdjustments, make_sampler
 from batchrun.engine.kernels import (
     decode_attention,
@@ -176,7 +183,7 @@ class TextBackend:
             if s.params.logprobs or s.params.top_logprobs or s.choice_tokens:
                 self._logprob_uids.add(uid)
             if s.choice_tokens and b and (self._windowed or self._stateful):
-                self._choice_blocks[uid] = b  # its choices are scored from them (choice_state)
+                self._choice_blocks[uid] = b  # its choices are scored from them (score_choices)
         return uids
 
     def _processors(self, seq: Sequence) -> list:
@@ -350,23 +357,118 @@ class TextBackend:
             prefix = self._extend(prefix, tokens[prefix.length: prefix.length + CPU_PREFIX_STEP])
         return list(zip(prefix.keys, prefix.values, strict=True))
 
-    def choice_state(self, seq: Sequence, step: Step) -> tuple:
-        """(model, the prompt's KV or None, the first token's log-probabilities) for scoring a
-        choices row's choices (choices.py): the row's own cache while it is in the batch. A
-        sliding-window layer's cache, cut out of the batch after the step, may already hold the
-        next position in its window, and a recurrent one's state is past the prompt: such a
-        model's prompt is computed again for its choices, from the cached blocks the row
-        started from (a fourth item: the tokens they hold)."""
-        blocks = self._choice_blocks.pop(step.uid, None)
-        if self._windowed or self._stateful:
-            if not blocks:
-                return self.model, None, None
-            start = sum(len(b.tokens) for b in blocks)
-            return self.model, PrefixCache.to_row_caches(blocks, self._kinds), None, start
-        if step.finish_reason is not None:
-            return self.model, None, None
-        layer_caches, _ = self._gen.extract_cache([step.uid])[step.uid]
-        return self.model, layer_caches, step.logprobs
+    def score_choices(self, items: list[tuple[Sequence, Step]]) -> list[list[list[float]]]:
+        """The choices of rows that finished their prompt this step, scored (choices.py): each
+        row's per-token log-probabilities of each choice. Rows still in the batch are scored
+        together from the batch's own KV (`_choice_caches`: a row's shared prefix referenced,
+        its own tokens copied once per choice path), with one read for all of them. A
+        sliding-window layer's cache may already hold the next position in its window and a
+        recurrent one's state is past the prompt: such a model's rows are scored alone from
+        the cached blocks they started from, the rest of their prompt computed again, as is a
+        row that left the batch at its first token (a stop)."""
+        out: list[list[list[float]] | None] = [None] * len(items)
+        together = []
+        batch = self._gen._generation_batch if self._gen is not None else None
+        for n, (seq, step) in enumerate(items):
+            blocks = self._choice_blocks.pop(step.uid, None)
+            if self._windowed or self._stateful:
+                start = sum(len(b.tokens) for b in blocks) if blocks else 0
+                caches = PrefixCache.to_row_caches(blocks, self._kinds) if blocks else None
+                out[n] = score_alone(seq, self.model, caches, None, start)
+            elif step.finish_reason is not None or batch is None or \
+                    not all(type(c) in (SharedPrefixBatchCache, BatchKVCache)
+                            for c in batch.prompt_cache):
+                out[n] = score_alone(seq, self.model, None, None)
+            else:
+                together.append(n)
+        if together:
+            cancel = getattr(batch, "_cancel_ahead", None)
+            if cancel is not None:
+                cancel()  # a verification started ahead would have moved the rows' caches
+            rows = [batch.uids.index(items[n][1].uid) for n in together]
+            scores = batch_choice_logprobs(
+                self.model, [items[n][1].logprobs for n in together],
+                [items[n][0].choice_tokens for n in together],
+                self._choice_caches(batch.prompt_cache, rows,
+                                    [len(items[n][0].prompt) for n in together]))
+            for n, score in zip(together, scores, strict=True):
+                out[n] = score
+        return out
+
+    @property
+    def keeps_prompts(self) -> bool:
+        """Whether prompt_kv serves (growing KV caches: a sliding window's batch cache holds
+        only the window, a recurrent layer no positions)."""
+        return not (self._windowed or self._stateful)
+
+    def prompt_kv(self, uids: list[int], upto: list[int]) -> list[list[tuple]]:
+        """For running rows that just computed their prompts: each layer's (keys, values) over
+        the first `upto` positions of the row's prompt, as views the prefix cache slices
+        blocks from (`_Positions`): the row's shared prefix and its own tokens in the batch,
+        nothing copied here."""
+        batch = self._gen._generation_batch
+        cancel = getattr(batch, "_cancel_ahead", None)
+        if cancel is not None:
+            cancel()
+        layers = batch.prompt_cache
+        padding = layers[0].left_padding.tolist()
+        out = []
+        for uid, n in zip(uids, upto, strict=True):
+            i = batch.uids.index(uid)
+            kv = []
+            for layer in layers:
+                prefix = layer.prefixes[i] if isinstance(layer, SharedPrefixBatchCache) \
+                    else None
+                start = prefix.length if prefix is not None else 0
+                parts_k, parts_v = [], []
+                if prefix is not None:
+                    parts_k.append((0, prefix.keys[layer.layer]))
+                    parts_v.append((0, prefix.values[layer.layer]))
+                own = slice(padding[i], padding[i] + max(0, n - start))
+                parts_k.append((start, layer.keys[i: i + 1, :, own]))
+                parts_v.append((start, layer.values[i: i + 1, :, own]))
+                kv.append((_Positions(parts_k), _Positions(parts_v)))
+            out.append(kv)
+        return out
+
+    @staticmethod
+    def _choice_caches(layers: list, rows: list[int], lengths: list[int]):
+        """caches_for(owners) for batch_choice_logprobs: per layer, a batch cache whose entry e
+        holds batch row `rows[owners[e]]`'s prompt (of `lengths[owners[e]]` tokens): its shared
+        prefix by reference and its own tokens gathered from the batch's, left padded as
+        there (a row's tokens end where every row's do, less what it generated since)."""
+
+        def caches_for(owners: list[int]) -> list:
+            first = layers[0]
+            padding = first.left_padding.tolist()
+            shared = getattr(first, "prefixes", None)
+            heads = [shared[rows[o]] if shared is not None else None for o in owners]
+            pads = [padding[rows[o]] for o in owners]
+            owns = [lengths[o] - (h.length if h is not None else 0)
+                    for o, h in zip(owners, heads, strict=True)]
+            ends = {p + n for p, n in zip(pads, owns, strict=True)}
+            index = mx.array([rows[o] for o in owners])
+            out = []
+            for layer in layers:
+                cache = SharedPrefixBatchCache(heads, layer.layer) if shared is not None \
+                    else BatchKVCache([0] * len(owners))
+                if len(ends) == 1:  # one gather
+                    end, lo = next(iter(ends)), min(pads)
+                    cache.keys = layer.keys[index, :, lo:end]
+                    cache.values = layer.values[index, :, lo:end]
+                    cache.left_padding = mx.array([p - lo for p in pads])
+                    cache._idx = end - lo
+                else:  # each row's tokens copied, as mlx-lm merges rows
+                    merged = BatchKVCache.merge([_part(layer, rows[o], p, n) for o, p, n
+                                                 in zip(owners, pads, owns, strict=True)])
+                    cache.keys, cache.values = merged.keys, merged.values
+                    cache.left_padding, cache._idx = merged.left_padding, merged._idx
+                cache.offset = mx.array([n + (h.length if h is not None else 0)
+                                         for n, h in zip(owns, heads, strict=True)])
+                out.append(cache)
+            return out
+
+        return caches_for
 
     def _stops(self, params: SamplingParams) -> StopSequences:
         if not params.stop_token_ids:
@@ -379,6 +481,9 @@ class TextBackend:
             self._speculator.discard()
         return bool(prompt_work), [Step(r.uid, r.token, r.finish_reason, r.logprobs)
                                    for r in responses]
+
+    def leave(self, uids: list[int]) -> None:
+        self._gen.remove(uids)
 
     def remove(self, uid: int, in_batch: bool) -> None:
         if in_batch:
@@ -399,6 +504,34 @@ class PrefixKV(list):
     def __init__(self, *args):
         super().__init__(*args)
         self.snapshots: dict[int, list[mx.array]] = {}
+
+
+class _Positions:
+    """A row's keys (or values) over positions, from pieces: (first position, an array of
+    (1, heads, length, dim)). Sliced `[:, :, lo:hi, :]` as one array would be (PrefixCache
+    .store), copying only the positions asked for."""
+
+    def __init__(self, parts: list[tuple[int, mx.array]]):
+        self.parts = parts
+
+    def __getitem__(self, index: tuple) -> mx.array:
+        span = index[2]
+        lo, hi = span.start, span.stop
+        pieces = []
+        for start, array in self.parts:
+            a, b = max(lo, start), min(hi, start + array.shape[2])
+            if a < b:
+                pieces.append(array[:, :, a - start: b - start])
+        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
+
+
+def _part(layer: Any, row: int, start: int, length: int) -> KVCache:
+    """`length` tokens of a batch cache's row from `start`, as one row's cache."""
+    cache = KVCache()
+    cache.keys = layer.keys[row: row + 1, :, start: start + length]
+    cache.values = layer.values[row: row + 1, :, start: start + length]
+    cache.offset = length
+    return cache
 
 
 def _arrays(cache: Any) -> list:

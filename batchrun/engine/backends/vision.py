@@ -188,7 +188,7 @@ class VisionBackend:
     ids plus its own input embeddings (images merged in), computed when it is admitted."""
 
     accepts_images = True
-    scores_choices = True  # from the row's prompt computed again on its own (choice_state)
+    scores_choices = True  # from the row's prompt computed again on its own (score_choices)
     prefix_cache = True  # blocks keyed on the images' content as well as the tokens
     windowed_prefixes = False  # a sliding-window language model's rows compute their prompts
     stateful_prefixes = False  # ... and a recurrent one's
@@ -300,7 +300,7 @@ class VisionBackend:
         for uid, seq, kw, w in zip(uids, seqs, kwargs, warm, strict=True):
             if w is not None:
                 self._gen.warm[uid] = (seq.cached, w[1])
-            if seq.choice_tokens is not None:  # kept to score the choices (choice_state)
+            if seq.choice_tokens is not None:  # kept to score the choices (score_choices)
                 self._choice_kwargs[uid] = kw
         for uid, sampler in zip(uids, samplers, strict=True):
             if sampler is not None and sampler._kept is not None:
@@ -321,25 +321,32 @@ class VisionBackend:
             step.logprobs = sampler.logprobs(index)
         return step
 
+    def leave(self, uids: list[int]) -> None:
+        for uid in uids:
+            self._gen.remove(uid)
+
     def remove(self, uid: int, in_batch: bool) -> None:
         self._sampled.pop(uid, None)
         self._choice_kwargs.pop(uid, None)
         if in_batch:
             self._gen.remove(uid)
 
-    def choice_state(self, seq: Sequence, step: Step) -> tuple:
-        """The row's prompt (its images merged in) run again on its own: mlx-vlm's batch does
-        not hand out one row's KV. The batch passes its rows' RoPE offsets itself, so this call
-        leaves the running rows unchanged."""
+    def score_choices(self, rows: list[tuple[Sequence, Step]]) -> list[list[list[float]]]:
+        """Each row's prompt (its images merged in) run again on its own, then its choices
+        (choices.py): mlx-vlm's batch does not hand out one row's KV. The batch passes its
+        rows' RoPE offsets itself, so these calls leave the running rows unchanged."""
         from mlx_lm.models.cache import make_prompt_cache
 
-        from batchrun.engine.decoding.choices import log_softmax
+        from batchrun.engine.decoding.choices import log_softmax, score_alone
 
-        kwargs = self._choice_kwargs.pop(step.uid)
-        cache = make_prompt_cache(self.kv_model)
-        out = self.kv_model(mx.array(seq.prompt)[None], cache=cache, **kwargs)
-        first = log_softmax(getattr(out, "logits", out)[0, -1])
-        return _LogitsOnly(self.kv_model), cache, first
+        out = []
+        for seq, step in rows:
+            kwargs = self._choice_kwargs.pop(step.uid)
+            cache = make_prompt_cache(self.kv_model)
+            logits = self.kv_model(mx.array(seq.prompt)[None], cache=cache, **kwargs)
+            first = log_softmax(getattr(logits, "logits", logits)[0, -1])
+            out.append(score_alone(seq, _LogitsOnly(self.kv_model), cache, first))
+        return out
 
     def compute_prefix(self, seq: Sequence, upto: int, blocks: list[Block]) -> list[tuple]:
         """Prefill the row's first `upto` tokens (its images merged in) on its own, after

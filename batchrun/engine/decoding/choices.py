@@ -6,10 +6,13 @@ unusual tokenization and return a label its own probabilities rank last; picking
 sequence probabilities keeps the label and `choice_probs` in agreement.
 
 log P(c) = sum over c's tokens t_i of log p(t_i | prompt, t_<i). The first factor of every
-choice comes from the distribution the batch already computed for the row's first token; the
-rest from one extra forward pass of all choices side by side (each but its last token, right
-padded) on copies of the row's prompt KV cache. Padding sits after a choice's real tokens, so
-causal attention keeps it out of their scores.
+choice comes from the distribution the batch already computed for the row's first token: when
+every choice is one token, that is all. The rest comes from a forward pass over each choice but
+its last token, right padded (padding sits after a choice's real tokens, so causal attention
+keeps it out of their scores). Choices sharing leading tokens share one such sequence (a
+trie's paths: `choice_paths`), and the text backend runs the sequences of every row that
+finished its prompt in a step as one batch after the rows' own KV (text.py `score_choices`);
+`choice_logprobs` scores one row alone, on copies of its prompt's KV.
 """
 
 from __future__ import annotations
@@ -53,18 +56,79 @@ def choice_logprobs(model: Any, prompt_cache: list[KVCache] | None, prompt: list
     return out
 
 
-def answer_choice(seq: Any, model: Any, cache: list[KVCache] | None,
-                  first: mx.array | None, start: int = 0) -> None:
-    """Score a choices row's choices after its prompt and set its answer (engine sequence:
-    choice_logprobs, tokens, answer, logprobs). `cache`: the prompt's KV as the batch holds it
-    (with the first generated token, dropped here); or, without `first`, caches holding the
-    prompt's first `start` tokens (a cached prefix) to compute the rest from; or None to
-    compute it all."""
-    if cache is not None and first is not None:
-        for layer in cache:
-            layer.offset = len(seq.prompt)
-    per_token = choice_logprobs(model, cache, seq.prompt, first if cache is not None else None,
-                                seq.choice_tokens, start)
+def choice_paths(choices: list[list[int]]) -> tuple[list[list[int]], list[int | None]]:
+    """The token sequences a forward must run to score `choices` past their first token, and
+    each choice's sequence (None for a one-token choice). A choice needs its tokens but the last
+    as inputs; inputs that begin another choice's inputs are read from that one's positions, so
+    only the longest of each branch runs (the leaves of the choices' trie)."""
+    inputs = [tuple(tokens[:-1]) for tokens in choices]
+    paths: list[tuple[int, ...]] = []
+    for seq in sorted({s for s in inputs if s}, key=len, reverse=True):
+        if not any(p[: len(seq)] == seq for p in paths):
+            paths.append(seq)
+    where = [None if not seq else next(i for i, p in enumerate(paths) if p[: len(seq)] == seq)
+             for seq in inputs]
+    return [list(p) for p in paths], where
+
+
+def batch_choice_logprobs(model: Any, firsts: list[mx.array], rows: list[list[list[int]]],
+                          caches_for: Any, chunk_elements: int = 1 << 27
+                          ) -> list[list[list[float]]]:
+    """Each row's choices' per-token log-probabilities, every row at once: `firsts[r]` is row r's
+    first-token log-probabilities, `rows[r]` its choices' tokens, and `caches_for(owners)` the
+    layer caches of a batch whose entry e continues row `owners[e]`'s prompt. One forward over
+    every row's choice paths (in chunks of at most `chunk_elements` logits) and one read."""
+    picks = [firsts[r].astype(mx.float32)[mx.array([t[0] for t in choices])]
+             for r, choices in enumerate(rows)]
+    entries: list[tuple[int, list[int]]] = []  # (row, path)
+    wanted: list[tuple[int, int, int]] = []  # (entry, position, token): later tokens, in order
+    for r, choices in enumerate(rows):
+        paths, where = choice_paths(choices)
+        base = len(entries)
+        entries.extend((r, path) for path in paths)
+        for tokens, path in zip(choices, where, strict=True):
+            if path is not None:
+                wanted.extend((base + path, i - 1, tokens[i]) for i in range(1, len(tokens)))
+    later: list[mx.array] = []  # chunk by chunk: `wanted` sorted by entry
+    order = sorted(range(len(wanted)), key=lambda w: wanted[w][0])
+    if entries:
+        width = max(len(path) for _, path in entries)
+        size = max(1, chunk_elements // (width * firsts[0].shape[-1]))
+        at = 0
+        for lo in range(0, len(entries), size):
+            part = entries[lo: lo + size]
+            here = []
+            while at < len(order) and wanted[order[at]][0] < lo + size:
+                here.append(wanted[order[at]])
+                at += 1
+            if not here:
+                continue
+            inputs = mx.array([path + [0] * (width - len(path)) for _, path in part])
+            logits = model(inputs, cache=caches_for([r for r, _ in part]))
+            picked = logits[mx.array([e - lo for e, _, _ in here]),
+                            mx.array([i for _, i, _ in here])].astype(mx.float32)
+            tokens = mx.array([t for _, _, t in here])[:, None]
+            later.append(mx.take_along_axis(picked, tokens, axis=-1)[:, 0]
+                         - mx.logsumexp(picked, axis=-1))
+            if lo + size < len(entries):
+                mx.eval(later[-1])  # this chunk's logits are freed before the next one's
+    first_values = mx.concatenate(picks).tolist()
+    later_values = [0.0] * len(wanted)
+    for w, value in zip(order, mx.concatenate(later).tolist() if later else [], strict=True):
+        later_values[w] = value
+    out, a, b = [], 0, 0
+    for choices in rows:
+        row = []
+        for tokens in choices:
+            row.append([first_values[a], *later_values[b: b + len(tokens) - 1]])
+            a, b = a + 1, b + len(tokens) - 1
+        out.append(row)
+    return out
+
+
+def set_answer(seq: Any, per_token: list[list[float]]) -> None:
+    """A choices row's answer from its choices' per-token log-probabilities (engine sequence:
+    choice_logprobs, tokens, answer, logprobs)."""
     totals = [sum(lps) for lps in per_token]
     choices = seq.params.constraint.value
     seq.choice_logprobs = dict(zip(choices, totals, strict=True))
@@ -73,6 +137,19 @@ def answer_choice(seq: Any, model: Any, cache: list[KVCache] | None,
     seq.answer = choices[picked]
     if seq.logprobs is not None:
         seq.logprobs = per_token[picked]
+
+
+def score_alone(seq: Any, model: Any, cache: list[KVCache] | None, first: mx.array | None,
+                start: int = 0) -> list[list[float]]:
+    """One choices row's choices' per-token log-probabilities. `cache`: the prompt's KV (with
+    anything after it dropped here) and `first` the first token's log-probabilities; or,
+    without `first`, caches holding the prompt's first `start` tokens (a cached prefix) to
+    compute the rest from; or None to compute it all."""
+    if cache is not None and first is not None:
+        for layer in cache:
+            layer.offset = len(seq.prompt)
+    return choice_logprobs(model, cache, seq.prompt, first if cache is not None else None,
+                           seq.choice_tokens, start)
 
 
 def pick(logprobs: list[float], temperature: float, seed: int) -> int:

@@ -4,7 +4,9 @@
 What the figures mean. The job (top level):
 - rows_done, rows_failed, rows_pending: rows with a committed result / error record, and the
   rest of rows_total (state.json's progress: what the output holds).
-- prompt_tokens, cached_prompt_tokens, completion_tokens: the usage of those result records.
+- prompt_tokens, cached_prompt_tokens, completion_tokens: the usage of those result records;
+  prompt_sources: the prompt tokens computed, read from the prefix cache's blocks in memory
+  (computed in the same run) and from disk (computed by a run before, any job's).
 - wall_s: the runs' wall times added up (model loading not included).
 - completion_tokens_per_s: tokens the engine generated per second of wall time (the runs'
   generated_tokens over their wall_s); requests_per_s: rows committed per second of wall time.
@@ -25,6 +27,7 @@ A run (one start of the job, in `runs`):
   draft_tokens (the guesses a row); a resumed job's runs may differ.
 - rows_done, rows_failed: the rows this run committed; prompt_tokens, cached_prompt_tokens,
   completion_tokens: those rows' usage (the job's tokens less the earlier runs').
+- cached_disk_tokens: prompt tokens the engine's rows read from blocks loaded from disk.
 - generated_tokens: what the engine generated in the run, rows it had not finished included (an
   interrupted run's lost work) and rows answered from an identical row left out;
   completion_tokens_per_s = generated_tokens / wall_s, its real rate however it ended.
@@ -71,6 +74,7 @@ def run_entry(started: float, status: str, stats: EngineStats, rows_done: int, r
         "rows_done": rows_done,
         "rows_failed": rows_failed,
         "generated_tokens": generated,
+        "cached_disk_tokens": stats.cached_disk_tokens,
         "prefill_time_s": round(stats.prefill_time, 3),
         "decode_time_s": round(stats.decode_time, 3),
         "decode_tokens": stats.decode_tokens,
@@ -127,6 +131,7 @@ def build_report(manifest: dict, progress: Progress, rows_total: int, runs: list
         "rows_pending": max(0, rows_total - progress.rows_done - progress.rows_failed),
         "prompt_tokens": progress.prompt_tokens,
         "cached_prompt_tokens": progress.cached_tokens,
+        "prompt_sources": _sources(progress, runs),
         "completion_tokens": progress.completion_tokens,
         "wall_s": round(totals["wall_s"], 3),
         # A run's rate times its time gives back its computed prompt tokens.
@@ -158,6 +163,15 @@ def build_report(manifest: dict, progress: Progress, rows_total: int, runs: list
         "output": manifest["output"],
         "runs": runs,
     }
+
+
+def _sources(progress: Progress, runs: list[dict]) -> dict:
+    """Where the results' prompt tokens came from: computed, read from blocks in memory (this
+    run computed them: a shared instruction, an earlier row's prompt), or from blocks a run
+    before wrote to disk. The disk's share is the engine's count (rows it admitted)."""
+    disk = min(progress.cached_tokens, sum(r.get("cached_disk_tokens") or 0 for r in runs))
+    return {"computed": progress.prompt_tokens - progress.cached_tokens,
+            "memory": progress.cached_tokens - disk, "disk": disk}
 
 
 def _with_committed_tokens(runs: list[dict], progress: Progress) -> list[dict]:

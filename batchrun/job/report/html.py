@@ -278,6 +278,11 @@ def _count(v) -> str:
     return f"{v:,}"
 
 
+def _sources(sources: dict) -> str:
+    return (f"{_count(sources['computed'])} computed, {_count(sources['memory'])} from the "
+            f"cache in memory, {_count(sources['disk'])} from its disk")
+
+
 def _maybe_seconds(v) -> str:
     return "–" if v is None else human_seconds(v)
 
@@ -290,6 +295,7 @@ FIGURES = (
     ("rows_pending", "rows still to run", _count),
     ("prompt_tokens", "prompt tokens (of the results)", _count),
     ("cached_prompt_tokens", "of which read from the prefix cache", _count),
+    ("prompt_sources", "where prompt tokens came from", _sources),
     ("completion_tokens", "completion tokens (of the results)", _count),
     ("wall_s", "wall time (all runs)", human_seconds),
     ("completion_tokens_per_s", "generated tokens per second", human_rate),

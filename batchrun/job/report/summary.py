@@ -82,8 +82,8 @@ def summary_text(report: dict) -> str:
     lines = [
         f"rows:       {report['rows_done']:,} done, {report['rows_failed']:,} failed, "
         f"{report['rows_pending']:,} pending of {report['rows_total']:,}",
-        f"tokens:     {report['prompt_tokens']:,} prompt ({report['cached_prompt_tokens']:,} "
-        f"cached), {report['completion_tokens']:,} completion",
+        f"tokens:     {report['prompt_tokens']:,} prompt ({_cached(report)}), "
+        f"{report['completion_tokens']:,} completion",
         f"throughput: {human_rate(report['completion_tokens_per_s'])} tok/s generated, "
         f"{human_rate(report['requests_per_s'])} rows/s over "
         f"{human_seconds(report['wall_s'])} in {runs} run{'s' if runs != 1 else ''}",
@@ -118,3 +118,10 @@ def dominant_text(dominant: dict) -> str:
     """A label that takes nearly every row, said with what to check."""
     return (f"{dominant['label']} is the answer on {dominant['share']:.0%} of the labeled rows: "
             "check the prompt and the model on a few rows whose answer you know")
+
+
+def _cached(report: dict) -> str:
+    """The cached prompt tokens, and how many of them came from disk where any did."""
+    cached = report["cached_prompt_tokens"]
+    disk = (report.get("prompt_sources") or {}).get("disk") or 0
+    return f"{cached:,} cached, {disk:,} of them from disk" if disk else f"{cached:,} cached"
