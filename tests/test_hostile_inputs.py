@@ -334,6 +334,29 @@ def test_a_process_limit_too_low_is_one_line(tmp_path, limit):
     assert len(ours) == 1 and "ulimit" in ours[0], err
 
 
+def test_a_job_started_under_nohup_runs_on_after_sighup(tmp_path):
+    """`nohup batchrun run ... &`: SIGHUP started ignored stays ignored (the terminal closing
+    does not stop the job); Ctrl-C's signal still would."""
+    rows = [{"custom_id": f"r{i}", "prompt": f"row {i}", "max_tokens": 12} for i in range(40)]
+    path = write_rows(tmp_path / "in.jsonl", rows)
+    job = tmp_path / "job"
+    args = [sys.executable, "-m", "batchrun", "run", str(path), "--job-dir", str(job),
+            "--quiet", "--max-concurrency", "2"]
+    start = ("import os, signal, sys; signal.signal(signal.SIGHUP, signal.SIG_IGN); "
+             f"os.execv(sys.executable, {args!r})")
+    proc = subprocess.Popen([sys.executable, "-c", start], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while line_count(job / "results.jsonl") < 4:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert [r["custom_id"] for r in jsonl(job / "results.jsonl")] == [r["custom_id"]
+                                                                     for r in rows]
+
+
 def test_sighup_stops_a_job_resumably_with_the_resume_line(tmp_path):
     rows = [{"custom_id": f"r{i}", "prompt": f"row {i}", "max_tokens": 40, "min_tokens": 40}
             for i in range(200)]

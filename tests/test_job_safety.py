@@ -466,12 +466,20 @@ def test_an_output_suffix_of_another_format_is_a_usage_error(tmp_path):
     assert pq.read_table(tmp_path / "out.PARQUET").num_rows == 12
 
 
-def test_ctrl_c_while_the_job_starts_exits_130_without_a_traceback(tmp_path):
+@pytest.mark.parametrize("inherited", ["SIG_DFL", "SIG_IGN"])
+def test_ctrl_c_while_the_job_starts_exits_130_without_a_traceback(tmp_path, inherited):
+    """Whatever SIGINT disposition the command inherits: a shell starts a script's `cmd &` (and
+    so a test run started that way, and its children) with SIGINT ignored."""
     big = tmp_path / "big.jsonl"  # counting and hashing it keeps the job starting for a while
     line = orjson.dumps({"prompt": "x" * 2000}) + b"\n"
     big.write_bytes(line * 60_000)
-    proc = subprocess.Popen([sys.executable, "-m", "batchrun", "run", str(big), "--job-dir",
-                             str(tmp_path / "job"), "--quiet"],
+    args = [sys.executable, "-m", "batchrun", "run", str(big), "--job-dir", str(tmp_path / "job"),
+            "--quiet"]
+    # The disposition is set here, not inherited from however pytest itself was started; an
+    # ignored signal stays ignored across exec.
+    start = (f"import os, signal, sys; signal.signal(signal.SIGINT, signal.{inherited}); "
+             f"os.execv(sys.executable, {args!r})")
+    proc = subprocess.Popen([sys.executable, "-c", start],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # Once the model is loaded (its first header line), not at a fixed time: on a loaded
     # machine 1.5 s could still be inside the interpreter's imports.

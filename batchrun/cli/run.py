@@ -22,6 +22,7 @@ import click
 from batchrun.cli.errors import ROWS_FAILED, fail
 from batchrun.cli.job_file import merge_job_file
 from batchrun.cli.options import STDIN, BundledCommand, run_options
+from batchrun.job.errors import stop_signals
 
 EXAMPLES = (
     ("A JSONL file of prompts; the job's state, results and report go to jobs/prompts/:",
@@ -63,7 +64,13 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
     spooled: list[Path] = []  # the stdin job's input, once spooled
     main_thread = threading.current_thread() is threading.main_thread()
     if main_thread:  # SIGTERM before the job's own handling (loading, recovering) stops too
-        previous = {s: signal.signal(s, _terminated) for s in (signal.SIGTERM, signal.SIGHUP)}
+        previous = {s: signal.signal(s, _terminated)
+                    for s in stop_signals((signal.SIGTERM, signal.SIGHUP))}
+        # And Ctrl-C: a process started with SIGINT ignored (a script's `cmd &`, a CI step run
+        # in the background) has no KeyboardInterrupt from Python, so until the runner took
+        # SIGINT (after the model loaded and the input was hashed) a Ctrl-C was dropped and the
+        # job ran on to exit 0; once the runner took it, the same signal stopped the job.
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with _stdout_to_stderr(to_stdout):
             code, spec = _run(ctx, input_path, opts, spooled, job_file)

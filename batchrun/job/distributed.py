@@ -38,7 +38,7 @@ from typing import Any
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.stats import EngineStats, SpeculationStats
 from batchrun.io.jsonl import RawRow
-from batchrun.job.errors import JobError
+from batchrun.job.errors import JobError, stop_signals
 from batchrun.job.options import RayOptions
 from batchrun.job.rows import RowError, is_openai_line, read_error
 from batchrun.job.runner import COMMIT_INTERVAL_S, JobRunner, RowWork
@@ -287,7 +287,7 @@ class RayJobRunner(JobRunner):
         # out of here, a second signal's KeyboardInterrupt included, stops the cluster we
         # started.
         main_thread = threading.current_thread() is threading.main_thread()
-        stops = (signal.SIGTERM, signal.SIGHUP)
+        stops = stop_signals((signal.SIGTERM, signal.SIGHUP))
         if main_thread:
             previous = {s: signal.signal(s, self._on_signal) for s in stops}
         try:

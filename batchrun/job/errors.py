@@ -29,3 +29,12 @@ class Interrupted(Exception):
     def __init__(self, signum: int = signal.SIGINT):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+
+def stop_signals(signals: tuple) -> tuple:
+    """The stop signals of `signals` this process takes: SIGHUP stays ignored where it started
+    ignored (`nohup batchrun run ... &` runs on after the terminal closes); Ctrl-C and SIGTERM
+    are taken whatever the process inherited (a shell starts a script's `cmd &` with SIGINT
+    ignored, and such a job could not be stopped with Ctrl-C's signal)."""
+    return tuple(s for s in signals
+                 if not (s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN))

@@ -33,7 +33,7 @@ from batchrun.job import manifest as mf
 from batchrun.job import ownership
 from batchrun.job import report as rp
 from batchrun.job.committer import BackgroundCommits
-from batchrun.job.errors import Interrupted, JobConflict, JobError
+from batchrun.job.errors import Interrupted, JobConflict, JobError, stop_signals
 from batchrun.job.feeder import Feeder
 from batchrun.job.records import error_record, result_record
 from batchrun.job.recovery import recover
@@ -61,6 +61,7 @@ FILL_LINGER_S = 0.05  # an idle engine takes more rows while each comes within t
 PROGRESS_INTERVAL_S = 0.5
 # Ctrl-C, a stop request, and the terminal closing (SIGHUP): each stops the job resumably.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
 DONE_CACHE_SIZE = 4096  # recent outputs kept for identical rows further down the input
 # Threads that build rows, text and image rows alike. Tokenization keeps the GIL
 # (engine/backends/tokens.py's Encoder), so more threads only contend for it with the job loop
@@ -308,7 +309,8 @@ class JobRunner(RowWork):
 
         main_thread = threading.current_thread() is threading.main_thread()
         if main_thread:  # both stop the job after a last commit
-            previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+            previous = {s: signal.signal(s, self._on_signal)
+                        for s in stop_signals(STOP_SIGNALS)}
         try:
             self._loop(progress, sink, bar, tick)
             if self._interrupted:
