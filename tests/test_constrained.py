@@ -338,3 +338,20 @@ def test_choices_scored_together_equal_each_row_scored_alone(demo, tmp_path, mon
             assert out.choice_logprobs == pytest.approx(expected, rel=1e-6, abs=1e-5)
             assert normalized(out.choice_logprobs) == pytest.approx(normalized(expected),
                                                                     abs=1e-5)
+
+
+def test_choices_with_n_seeded_samples_do_not_depend_on_the_batch(tmp_path):
+    """--n samples of a choices row: each sample's label a seeded draw from the same choice
+    probabilities (scored once a sample, together with the step's other rows), the same at
+    concurrency 1 and 16."""
+    rows = write_rows(tmp_path / "rows.jsonl", [{"prompt": review(i)} for i in range(6)])
+    outs = {}
+    for conc in ("1", "16"):
+        job = tmp_path / f"job-{conc}"
+        run(rows, "--job-dir", job, "--choices", ",".join(CHOICES), "--n", "3",
+            "--temperature", "1.0", "--seed", "7", "--max-concurrency", conc)
+        outs[conc] = jsonl(job / "results.jsonl")
+    for a, b in zip(outs["1"], outs["16"], strict=True):
+        assert [s["text"] for s in a["samples"]] == [s["text"] for s in b["samples"]]
+        assert all(s["text"] in CHOICES for s in a["samples"])
+        assert a["choice_probs"] == pytest.approx(b["choice_probs"], abs=1e-5)
