@@ -448,3 +448,40 @@ def test_temporary_files_a_killed_write_left_are_removed_on_resume(tmp_path):
     (job / "results.jsonl").write_bytes(b"")  # something to do: the job runs again
     assert invoke("run", path, "--job-dir", job, "--quiet").exit_code == 0
     assert sorted(p.name for p in job.glob(".*.tmp")) == [".mine.tmp"]
+
+
+def test_a_template_column_no_row_has_is_refused_before_the_model_loads(tmp_path):
+    """Every row would fail: exit 2 naming the columns there are, with a hint for JSON braces;
+    a Parquet file's schema says the same."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = write_rows(tmp_path / "in.jsonl", [{"id": i, "review": f"r{i}"} for i in range(5)])
+    parquet = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"id": [1, 2], "review": ["a", "b"]}), parquet)
+    for path in (rows, parquet):
+        result = CliRunner().invoke(cli, ["run", str(path), "--job-dir", str(tmp_path / "j"),
+                                          "--model", str(tmp_path / "no-such-model"),
+                                          "--prompt-template", "Review: {text}"])
+        assert result.exit_code == 2, result.output
+        assert "'text'" in result.output and "'id', 'review'" in result.output
+        assert "no-such-model" not in result.output  # said before the model was looked for
+    result = CliRunner().invoke(cli, ["run", str(rows), "--job-dir", str(tmp_path / "j"),
+                                      "--prompt-template", '{"label": {review}}'])
+    assert result.exit_code == 2 and "{{ and }}" in result.output
+
+
+def test_a_job_whose_every_row_failed_exits_1_and_is_listed_failed(tmp_path):
+    rows = write_rows(tmp_path / "in.jsonl", [{"custom_id": "a", "prompt": ""},
+                                              {"custom_id": "b", "max_tokens": -1,
+                                               "prompt": "x"}])
+    job = tmp_path / "job"
+    result = CliRunner().invoke(cli, ["run", str(rows), "--job-dir", str(job), "--quiet"])
+    assert result.exit_code == 1, result.output
+    assert "every row failed (2 error records" in result.output
+    assert line_count(job / "errors.jsonl") == 2
+    listed = CliRunner().invoke(cli, ["ls", str(job)]).output
+    assert " failed " in listed
+    # a rerun of the finished job says the same
+    again = CliRunner().invoke(cli, ["run", str(rows), "--job-dir", str(job), "--quiet"])
+    assert again.exit_code == 1

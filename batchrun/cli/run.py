@@ -201,7 +201,7 @@ def _run(ctx: click.Context, input_path: Path, opts: dict, spooled: list[Path],
         click.echo(f"already complete: {done.rows_done:,} rows done, {done.rows_failed:,} "
                    f"failed; nothing to run (--restart runs it again)", err=True)
         _say_where(spec, done.rows_failed)
-        return (ROWS_FAILED if fail_on_row_errors and done.rows_failed else 0), spec
+        return _exit_code(done.rows_done, done.rows_failed, fail_on_row_errors, spec), spec
     _prepare(job, debug)
     with _closed_at_the_end(job):
         runner, engine = job.runner, job.engine
@@ -242,7 +242,19 @@ def _run(ctx: click.Context, input_path: Path, opts: dict, spooled: list[Path],
                            f"{cache_stats['disk_loaded_blocks']:,} blocks from disk"
                            + (f", {cache_stats['disk_skipped']:,} damaged entries removed"
                               if cache_stats["disk_skipped"] else "") + ")", err=True)
-        return (ROWS_FAILED if fail_on_row_errors and report["rows_failed"] else 0), spec
+        return _exit_code(report["rows_done"], report["rows_failed"], fail_on_row_errors,
+                          spec), spec
+
+
+def _exit_code(done: int, failed: int, fail_on_row_errors: bool, spec) -> int:
+    """0; 1 when every row of the job ended as an error (a mistake that failed them all, said
+    in one line); 3 with --fail-on-row-errors when some did."""
+    if failed and not done:
+        click.echo(f"Error: every row failed ({failed:,} error records in "
+                   f"{spec.errors_path}): fix what they say, then rerun with --restart",
+                   err=True)
+        return 1
+    return ROWS_FAILED if fail_on_row_errors and failed else 0
 
 
 @contextlib.contextmanager

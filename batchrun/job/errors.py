@@ -17,6 +17,12 @@ class JobError(Exception):
     exit_code = 1
 
 
+class InputMismatch(JobError):
+    """An option the input cannot serve, found in its first rows (exit 2, as a usage error)."""
+
+    exit_code = 2
+
+
 class JobConflict(JobError):
     """The command asks for something that would mix or overwrite jobs' data (exit 2)."""
 

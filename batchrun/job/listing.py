@@ -214,7 +214,8 @@ def _status(pid: str | None, progress: Progress | None, total: int | None,
         return "not started"
     if total is not None and progress.rows_done + progress.rows_failed >= total \
             and not progress.spill_bytes:
-        return "complete"
+        # every row an error: a mistake that failed them all, not a finished job
+        return "failed" if progress.rows_failed and not progress.rows_done else "complete"
     last = (report or {}).get("runs") or [{}]
     # A run's report says "running" until its last commit: one that never came was killed.
     return {"interrupted": "interrupted", "failed": "failed",

@@ -7,8 +7,11 @@ what differs, option by option, with the flag that sets it)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
+import re
+import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,11 +19,11 @@ from typing import Any
 import orjson
 
 from batchrun.io.jsonl import InputError
-from batchrun.io.readers import count_rows
+from batchrun.io.readers import count_rows, read_rows
 from batchrun.job import manifest as mf
 from batchrun.job import ownership
-from batchrun.job.errors import JobConflict, JobError
-from batchrun.job.rows import RowOptions
+from batchrun.job.errors import InputMismatch, JobConflict, JobError
+from batchrun.job.rows import RowOptions, is_openai_line
 from batchrun.job.state import DamagedFile
 
 
@@ -100,6 +103,7 @@ def check_paths(spec: JobSpec) -> None:
     write, a folder that may not be its job folder (job/ownership.py), job files that are not
     regular files, and a job folder that holds another input or options."""
     spec.rows_total  # noqa: B018  (a damaged or empty input is said before the model loads)
+    check_template_columns(spec.input, spec.rows.prompt_template)
     manifest = saved_manifest(spec.job_dir)
     try:
         ownership.check_output_file(spec.output)  # before anything resolves it
@@ -232,3 +236,51 @@ def input_stem(path: Path) -> str:
         if name.endswith(suffix):
             return name[: -len(suffix)]
     return path.stem
+
+
+TEMPLATE_SAMPLE = 100  # rows read to check --prompt-template's columns before the model loads
+
+
+def check_template_columns(path: Path, template: str | None) -> None:
+    """Refuse (exit 2) a --prompt-template that names a column none of the input's first rows
+    that it would fill has (a Parquet file's schema, a JSONL file's first rows): every row
+    would fail. The message lists the columns there are. Rows with their own prompt or
+    messages, or in the OpenAI batch shape, take no template and are not counted."""
+    if template is None:
+        return
+    needed = []
+    for _, name, _, _ in string.Formatter().parse(template):
+        if name:
+            column = re.split(r"[.\[]", name, maxsplit=1)[0]
+            if column not in needed:
+                needed.append(column)
+    seen: dict[str, None] = {}
+    filled = 0
+    try:
+        for raw in itertools.islice(read_rows(path), TEMPLATE_SAMPLE):
+            row = raw.value
+            if raw.error is not None or not isinstance(row, dict) or is_openai_line(row) \
+                    or "prompt" in row or "messages" in row:
+                continue
+            filled += 1
+            seen.update(dict.fromkeys(row))
+    except InputError:
+        return  # said as the input's own problem, elsewhere
+    missing = [c for c in needed if c not in seen]
+    if not filled or not missing:
+        return
+    names = [_column_name(c) for c in seen]
+    there = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+    hint = ""
+    if any(c.lstrip().startswith('"') for c in missing):
+        hint = " (braces that are not a column, as in JSON, are written {{ and }})"
+    raise InputMismatch(
+        f"--prompt-template names column{'s' if len(missing) > 1 else ''} "
+        f"{', '.join(_column_name(c) for c in missing)}, which the input's first "
+        f"{filled:,} rows do not have; columns there: {there or 'none'}{hint}")
+
+
+def _column_name(name: str, limit: int = 40) -> str:
+    """A column's name for a message: quoted, escaped, cut short."""
+    text = name if len(name) <= limit else name[:limit] + "..."
+    return repr(text)
