@@ -3,8 +3,8 @@
 A prefix that queued or running rows share is computed once, before any of them runs: when the
 first of them reaches admission, the engine prefills just the shared blocks into the cache
 (`PrefixNeeded`), then every row sharing them, that first one included, starts from the cache.
-No row carries the shared prefix in its own KV, whatever order the rows arrive in. A row's
-blocks that no other row needs are not stored (they would only evict useful ones).
+No row carries the shared prefix in its own KV, whatever order the rows arrive in. A row's own
+prompt is kept once computed (Engine._keep_prompts), for rows further down the input.
 """
 
 from __future__ import annotations
