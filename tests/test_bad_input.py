@@ -78,7 +78,7 @@ def test_parquet_without_the_needed_column_is_a_row_error_per_row(tmp_path):
     path = tmp_path / "nocol.parquet"
     pq.write_table(pa.table({"text": ["a", "b"]}), path)
     result = invoke("run", path, "--job-dir", tmp_path / "job", "--quiet")
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output  # every row failed
     errors = jsonl(tmp_path / "job" / "errors.jsonl")
     assert [e["line"] for e in errors] == [1, 2]
     assert all("--prompt-template" in e["error"]["message"] for e in errors)

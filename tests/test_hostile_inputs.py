@@ -137,7 +137,7 @@ def test_a_too_deep_row_keeps_its_id_for_its_error_record(tmp_path):
     path = tmp_path / "in.jsonl"
     path.write_bytes(b'{"custom_id": "deep", "meta": ' + b"[" * 300 + b"]" * 300 + b'}\n')
     job = tmp_path / "job"
-    assert invoke("run", path, "--job-dir", job, "--quiet").exit_code == 0
+    assert invoke("run", path, "--job-dir", job, "--quiet").exit_code == 1  # its one row failed
     (error,) = jsonl(job / "errors.jsonl")
     assert error["custom_id"] == "deep" and error["error"]["code"] == "too_deep"
 
@@ -267,7 +267,7 @@ def test_a_seed_out_of_range_is_a_usage_error_from_the_flag_the_env_and_a_row(tm
     assert result.exit_code == 2 and "--seed" in result.output
     result = invoke("run", path, "--job-dir", tmp_path / "job", "--quiet",
                     "--seed", str(2**64 - 1))
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output  # the job's one row failed
     error = jsonl(tmp_path / "job" / "errors.jsonl")[0]["error"]
     assert error["code"] == "invalid_sampling" and "seed" in error["message"]
 

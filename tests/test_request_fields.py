@@ -137,7 +137,7 @@ def test_every_openai_rows_error_has_the_batch_error_file_shape(tmp_path):
             line("parse", {"messages": [{"role": "user", "content": "hi"}]}),  # a duplicate id
             {"custom_id": "plain", "prompt": ""}]
     job = tmp_path / "job"
-    run(write_rows(tmp_path / "rows.jsonl", rows), "--job-dir", job)
+    run(write_rows(tmp_path / "rows.jsonl", rows), "--job-dir", job, code=1)  # all 5 failed
     errors = jsonl(job / "errors.jsonl")
     assert len(errors) == 5
     for record in errors[:4]:

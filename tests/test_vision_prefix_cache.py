@@ -182,14 +182,15 @@ def test_a_job_of_image_rows_reuses_its_cache_on_a_second_run(tmp_path):
              "max_tokens": 6} for i, image in enumerate(IMAGES[:4])]
     data = write_rows(tmp_path / "rows.jsonl", rows)
     cache = tmp_path / "cache"
-    run(data, "--model", MODEL, "--job-dir", tmp_path / "one", "--cache-dir", cache)
-    run(data, "--model", MODEL, "--job-dir", tmp_path / "two", "--cache-dir", cache)
-    run(data, "--model", MODEL, "--job-dir", tmp_path / "off", "--no-prefix-cache")
+    images = ("--media-root", SAMPLE / "images")  # the pictures lie outside the rows' folder
+    run(data, "--model", MODEL, "--job-dir", tmp_path / "one", "--cache-dir", cache, *images)
+    run(data, "--model", MODEL, "--job-dir", tmp_path / "two", "--cache-dir", cache, *images)
+    run(data, "--model", MODEL, "--job-dir", tmp_path / "off", "--no-prefix-cache", *images)
     texts = [[r["text"] for r in jsonl(tmp_path / job / "results.jsonl")]
              for job in ("one", "two", "off")]
-    assert texts[0] == texts[1] == texts[2]
+    assert len(texts[0]) == 4 and texts[0] == texts[1] == texts[2]
     second = [r["usage"] for r in jsonl(tmp_path / "two" / "results.jsonl")]
-    assert all(u["prompt_tokens_details"]["cached_tokens"] >= 128 for u in second)
+    assert all(u["cached_tokens"] >= 128 for u in second)
 
 
 def test_an_aborted_waiting_row_leaves_nothing_behind(vlm, twins):
