@@ -240,7 +240,7 @@ def test_a_different_job_is_refused_in_words_before_the_model_loads(tmp_path, mo
     assert "temperature (--temperature): 0 -> 0.5" in text
     assert 'system (--system): unset -> "Be brief."' in text
     assert "{" not in text  # no Python dicts
-    assert "another --job-dir" in text and f"move {job} away" in text
+    assert "another --job-dir" in text and "pass --restart" in text  # the flags that fix it
     assert "Traceback" not in text
     monkeypatch.undo()
     other = model_copy(tmp_path, {"eos_token_id": [0, 2], "top_k": 4})
@@ -248,6 +248,9 @@ def test_a_different_job_is_refused_in_words_before_the_model_loads(tmp_path, mo
     refused = run(rows, "--job-dir", job, "--max-tokens", "4", "--model", other, code=2)
     assert "the model changed" in refused.output
     assert "top_k (--top-k): 0 -> 4 (the model's generation_config.json)" in refused.output
+    monkeypatch.undo()
+    run(rows, "--job-dir", job, "--max-tokens", "9", "--restart")  # what the refusal named
+    assert all(r["usage"]["completion_tokens"] <= 9 for r in jsonl(job / "results.jsonl"))
 
 
 # -- 5. ls -------------------------------------------------------------------------------------

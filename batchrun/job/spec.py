@@ -157,16 +157,16 @@ def check_same_job(spec: JobSpec, old: dict, new: dict) -> None:
     changed = mf.differences(old, new)
     if changed:
         raise JobConflict(f"{spec.job_dir} holds a different job: " + "; ".join(changed)
-                          + f".\n  Pass another --job-dir to keep both, or move {spec.job_dir} "
-                          "away to discard its progress.")
+                          + ".\n  Pass --restart to run this job in its place (its progress "
+                          "is discarded), or another --job-dir to keep both.")
 
 
 def different_job(job_dir: Path, changes: list[str]) -> str:
     """The refusal of a job folder that holds another job: what differs, and what to do."""
     return (f"{job_dir} holds a different job, so it was not resumed:\n"
             + "".join(f"  {c}\n" for c in changes)
-            + f"To keep both jobs, pass another --job-dir; to run this job in its place, move "
-            f"{job_dir} away (its progress goes with it).")
+            + "To run this job in its place, pass --restart (the folder's progress is "
+            "discarded); to keep both jobs, pass another --job-dir.")
 
 
 def job_changes(old: dict, input_fp: dict, options: dict, model_fp: str | None,
