@@ -718,3 +718,17 @@ def test_results_stdout_cannot_take_is_one_line_and_the_job_kept(tmp_path):
     err = closed.stderr.decode()
     assert closed.returncode == 2 and "Traceback" not in err
     assert "this process has none (it was closed)" in err
+
+
+def test_a_dry_run_shows_the_first_prompt_as_the_model_sees_it(tmp_path):
+    """The rendered prompt (the template filled, the chat template around it), and a warning
+    for a shell's literal backslash-n in a template."""
+    rows = write_rows(tmp_path / "rows.jsonl", [{"review": "the lid leaks"}])
+    shown = run(rows, "--dry-run", "--prompt-template", "Review: {review}\nSentiment:").output
+    assert "first prompt, as the model sees it:" in shown
+    assert "  Review: the lid leaks\n  Sentiment:" in shown  # a real line break, indented
+    literal = run(rows, "--dry-run", "--prompt-template", "Review: {review}\\nSentiment:")
+    assert "backslash and an n" in literal.output and "$'" in literal.output
+    assert "Review: the lid leaks\\nSentiment:" in literal.output
+    refused = run(rows, "--dry-run", "--prompt-template", "Review: {text}", code=2)
+    assert "'review'" in refused.output and "'text'" in refused.output

@@ -321,9 +321,12 @@ def _dry_run_file(input_path: Path, opts: dict, debug: bool) -> str:
     from batchrun.io.jsonl import InputError
     from batchrun.job.errors import JobError, UsageError
 
+    from batchrun.job.spec import check_template_columns
+
     try:
         job = Job(input_path, **opts)
         job.spec.rows_total  # noqa: B018  (a damaged or empty input: before the model loads)
+        check_template_columns(job.spec.input, job.spec.rows.prompt_template)
     except UsageError as e:
         raise click.UsageError(str(e)) from None
     except JobError as e:
@@ -435,7 +438,16 @@ def describe_dry_run(found) -> str:
             f"{found.prefill_tokens_per_s:,.0f} tok/s, decode {found.decode_tokens_per_s:,.0f} "
             f"tok/s at batch {found.probe_rows}; the job decodes up to "
             f"{found.max_concurrency} rows at once, usually faster)")
+    if found.first_prompt is not None:
+        text = found.first_prompt
+        cut = len(text) > FIRST_PROMPT_CHARS
+        lines.append("first prompt, as the model sees it"
+                     + (f" (its first {FIRST_PROMPT_CHARS:,} characters)" if cut else "") + ":")
+        lines.extend("  " + line for line in text[:FIRST_PROMPT_CHARS].splitlines())
     return "\n".join(lines)
+
+
+FIRST_PROMPT_CHARS = 2000  # of the first row's prompt, shown by a dry run
 
 
 def _quote(arg: str) -> str:

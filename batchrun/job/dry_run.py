@@ -28,6 +28,7 @@ class DryRun:
     decode_tokens_per_s: float = 0.0
     mean_completion_tokens: float = 0.0
     estimate_s: float | None = None
+    first_prompt: str | None = None  # the first row's prompt as the model sees it
 
     @property
     def shared_share(self) -> float:
@@ -58,6 +59,8 @@ def count_and_probe(engine, spec, probe_rows: int) -> DryRun:
             found.first_error = found.first_error or f"line {task.line}: {task.message}"
             continue
         ids = task.prompt_ids
+        if found.first_prompt is None:
+            found.first_prompt = engine.tokenizer.decode(ids)
         found.prompt_tokens += len(ids)
         found.max_new_tokens += task.params.max_tokens * task.n
         shared = _shared_blocks(block_keys(ids, block, b""), seen)

@@ -305,6 +305,10 @@ def _check_template(template: str | None) -> None:
         return
     if not template.strip():
         raise UsageError("--prompt-template must not be empty")
+    if "\\n" in template:
+        log.warning("--prompt-template holds a backslash and an n, not a line break (a shell "
+                    "keeps \\n as it is): write $'...\\n...' in bash, or a real line break "
+                    "inside the quotes; in a job file \\n is a line break")
     try:
         fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
     except ValueError as e:
