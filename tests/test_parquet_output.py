@@ -8,7 +8,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import run
+from helpers import jsonl, run
 
 from batchrun.io.parquet import BATCH_ROWS
 from batchrun.io.parquet_output import ParquetOutput, write_parquet_output
@@ -370,3 +370,29 @@ def test_a_glob_character_in_the_output_name_touches_no_other_outputs_temp_file(
     other.write_bytes(b"in progress")
     ParquetOutput(job.input, tmp_path / "a[12].parquet", job.results, job.errors).close()
     assert other.read_bytes() == b"in progress"
+
+
+def test_keep_columns_copies_input_columns_into_jsonl_results(tmp_path):
+    """--keep-columns a,b (or all): the row's columns in its result as `columns`, a missing one
+    null, a Parquet value JSON has no form for as text; part of the job's identity."""
+    import decimal
+
+    table = pa.table({"id": ["a", "b"], "review": ["fine", "bad"], "score": [1, 2],
+                      "blob": [b"\x00\x01", b"\x02"],
+                      "price": pa.array([decimal.Decimal("1.50"), None], pa.decimal128(5, 2))})
+    data = tmp_path / "in.parquet"
+    pq.write_table(table, data)
+    job = tmp_path / "job"
+    run(data, "--job-dir", job, "--prompt-template", "Review: {review}", "--max-tokens", "2",
+        "--keep-columns", "score,missing")
+    assert [r["columns"] for r in jsonl(job / "results.jsonl")] == [
+        {"score": 1, "missing": None}, {"score": 2, "missing": None}]
+    every = tmp_path / "every"
+    run(data, "--job-dir", every, "--prompt-template", "Review: {review}", "--max-tokens", "2",
+        "--keep-columns", "all")
+    first = jsonl(every / "results.jsonl")[0]["columns"]
+    assert first == {"id": "a", "review": "fine", "score": 1, "blob": "0001", "price": "1.50"}
+    # another set of kept columns is another job
+    refused = run(data, "--job-dir", job, "--prompt-template", "Review: {review}",
+                  "--max-tokens", "2", "--keep-columns", "id", code=2)
+    assert "--keep-columns" in refused.output

@@ -122,6 +122,9 @@ io_options = Bundle("io", "Inputs and outputs", (
            help="read the input as this format whatever its suffix [default: from the "
                 "suffix]"),
     option("--id-column", default=None, help="column that holds the row id"),
+    option("--keep-columns", default=None,
+           help="input columns copied into each JSONL result as `columns` (comma-separated, "
+                "or all); Parquet output keeps every column anyway"),
 ))
 
 media_options = Bundle("media", "Images", (

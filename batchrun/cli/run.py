@@ -320,7 +320,6 @@ def _dry_run_file(input_path: Path, opts: dict, debug: bool) -> str:
     from batchrun.api import Job
     from batchrun.io.jsonl import InputError
     from batchrun.job.errors import JobError, UsageError
-
     from batchrun.job.spec import check_template_columns
 
     try:

@@ -66,6 +66,7 @@ class IOOptions:
     job_dir: Path | None = None  # required for rows from stdin (input "-")
     format: str | None = None  # "jsonl" or "parquet" whatever the input's suffix
     id_column: str | None = None
+    keep_columns: str | list[str] | None = None  # "a,b", ["a", "b"] or "all"
 
 
 @dataclass(frozen=True, slots=True)

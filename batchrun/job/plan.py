@@ -211,7 +211,8 @@ def plan(input_path: Path, o: RunOptions):
                       allow_private_urls=bool(media.allow_private_urls),
                       media_timeout=float(timeout),
                       served_model_names=served_names(o.sampling.served_model_name),
-                      expected_column=o.labels.expected_column, limits=limits)
+                      expected_column=o.labels.expected_column,
+                      keep_columns=_keep_columns(o.io.keep_columns), limits=limits)
     if from_stdin:  # relative image paths in rows from stdin start at the current folder
         rows.base_dir = Path.cwd()
     spec = JobSpec(input_path, job_dir, output, o.model, rows, restart=o.restart, quiet=o.quiet)
@@ -319,3 +320,17 @@ def _check_template(template: str | None) -> None:
         if not column or column.isdigit() or "." in name:
             raise UsageError(f"--prompt-template: {{{name}}} does not name a column: write "
                              "{column} or {column[key]} (no positions or attributes)")
+
+
+def _keep_columns(value: str | list[str] | None) -> tuple[str, ...]:
+    """--keep-columns: "a,b" or a job file's list; "all" for every column."""
+    from batchrun.job.rows import ALL_COLUMNS
+
+    if value is None:
+        return ()
+    names = [n.strip() for n in value.split(",")] if isinstance(value, str) else list(value)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise UsageError("--keep-columns takes column names separated by commas, or all")
+    if names == ["all"]:
+        return ALL_COLUMNS
+    return tuple(dict.fromkeys(names))

@@ -46,6 +46,8 @@ def result_record(task: Task, outs: list[Output], model: str, created: int,
         record["tool_calls"] = [{"name": c.name, "arguments": c.arguments} for c in calls]
     if task.expected is not None:
         record["expected"] = task.expected
+    if task.columns is not None:
+        record["columns"] = task.columns
     if first.choice_logprobs is not None:
         record["choice_probs"] = normalized(first.choice_logprobs)
     if first.logprobs is not None:

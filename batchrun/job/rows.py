@@ -78,6 +78,9 @@ class RowOptions:
     # --expected-column: the column holding each row's right answer; its value goes into the
     # row's record as `expected`, and the report counts the labels that agree with it.
     expected_column: str | None = None
+    # --keep-columns: input columns copied into each result record as `columns` (ALL: every
+    # one; empty: none).
+    keep_columns: tuple[str, ...] = ()
     limits: RowLimits = field(default_factory=RowLimits)  # resolved for the model's context
 
 
@@ -98,6 +101,7 @@ class Task:
     # identical requests are found by it without hashing the whole prompt in the job loop.
     prompt_digest: bytes = b""
     expected: str | None = None  # the row's --expected-column value
+    columns: dict | None = None  # the row's --keep-columns values
 
     def sample_params(self) -> list[SamplingParams]:
         """One SamplingParams per sample: sample 0 is the row's own, the others get distinct
@@ -244,7 +248,30 @@ def _build(value: Any, index: int, line: int, custom_id: str, prompts: PromptBui
     tools = body.get("tools") if body.get("tool_choice") != "none" else None
     return Task(index, line, custom_id, ids, params, openai, model, n, vision,
                 tools if isinstance(tools, list) and tools else None, chat=not raw_prompt,
-                expected=expected_value(value, options.expected_column))
+                expected=expected_value(value, options.expected_column),
+                columns=kept_columns(value, options.keep_columns))
+
+
+ALL_COLUMNS = ("*",)  # --keep-columns all
+
+
+def kept_columns(row: dict, names: tuple[str, ...]) -> dict | None:
+    """The row's --keep-columns values (a missing column is null), each as JSON holds it: a
+    value JSON has no form for (Parquet bytes, a decimal, a date) as its text."""
+    if not names:
+        return None
+    picked = dict(row) if names == ALL_COLUMNS else {n: row.get(n) for n in names}
+    try:
+        orjson.dumps(picked)
+        return picked
+    except TypeError:
+        return orjson.loads(orjson.dumps(picked, default=_as_text))
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).hex()
+    return str(value)
 
 
 def expected_value(row: dict, column: str | None) -> str | None:

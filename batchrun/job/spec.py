@@ -87,6 +87,8 @@ class JobSpec:
             options["served_model_names"] = list(r.served_model_names)
         if r.expected_column:  # the records carry its values, the report counts against them
             options["expected_column"] = r.expected_column
+        if r.keep_columns:  # the records carry them
+            options["keep_columns"] = list(r.keep_columns)
         return orjson.loads(orjson.dumps(options))  # as job.json stores it (tuples are lists)
 
 
@@ -202,6 +204,7 @@ OPTION_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature",
                 "prompt_template": "--prompt-template", "id_column": "--id-column", "n": "--n",
                 "image_column": "--image-column", "output": "-o",
                 "served_model_names": "--served-model-name",
+                "expected_column": "--expected-column", "keep_columns": "--keep-columns",
                 "repetition_penalty": "generation_config.json"}
 
 
