@@ -83,7 +83,8 @@ def test_changed_input_or_options_are_refused_unless_restart(rows_file, tmp_path
     run(rows_file, "--job-dir", job)
     refused = run(rows_file, "--job-dir", job, "--max-tokens", "9", code=2)
     assert "different job" in refused.output and "max_tokens" in refused.output
-    assert "--restart" not in refused.output  # a printed hint never discards progress
+    # the flag that runs it in place is named, with what it costs (the folder's progress)
+    assert "pass --restart (the folder's progress is discarded)" in refused.output
     assert "another --job-dir" in refused.output
     assert "model:" not in refused.output  # refused before the model loads
     with open(rows_file, "a") as f:
