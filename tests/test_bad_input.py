@@ -74,13 +74,24 @@ def test_every_kind_of_bad_row_gets_one_error_naming_line_and_field(tmp_path):
     assert indices == list(range(17))
 
 
-def test_parquet_without_the_needed_column_is_a_row_error_per_row(tmp_path):
+def test_rows_without_a_prompt_are_refused_before_the_model_loads(tmp_path):
+    """No row has a prompt or messages and no template builds one: every row would fail, so
+    the job is refused before the model loads (exit 2), naming the flag and the columns; a
+    larger JSONL file whose first rows lack one still runs, each such row its own error."""
     path = tmp_path / "nocol.parquet"
     pq.write_table(pa.table({"text": ["a", "b"]}), path)
-    result = invoke("run", path, "--job-dir", tmp_path / "job", "--quiet")
-    assert result.exit_code == 1, result.output  # every row failed
-    errors = jsonl(tmp_path / "job" / "errors.jsonl")
-    assert [e["line"] for e in errors] == [1, 2]
+    result = invoke("run", path, "--job-dir", tmp_path / "job", "--model",
+                    tmp_path / "no-such-model", "--quiet")
+    assert result.exit_code == 2, result.output
+    assert "--prompt-template" in result.output and "'text'" in result.output
+    assert not (tmp_path / "job" / "job.json").exists()
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join('{"text": "a"}\n' for _ in range(101)) + '{"prompt": "hi"}\n')
+    result = invoke("run", rows, "--job-dir", tmp_path / "mixed", "--quiet",
+                    "--max-tokens", "2")
+    assert result.exit_code == 0, result.output
+    errors = jsonl(tmp_path / "mixed" / "errors.jsonl")
+    assert len(errors) == 101
     assert all("--prompt-template" in e["error"]["message"] for e in errors)
 
 

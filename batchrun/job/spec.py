@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from batchrun.io.jsonl import InputError
-from batchrun.io.readers import count_rows, read_rows
+from batchrun.io.readers import count_rows, is_parquet, read_rows
 from batchrun.job import manifest as mf
 from batchrun.job import ownership
 from batchrun.job.errors import InputMismatch, JobConflict, JobError
@@ -105,7 +105,8 @@ def check_paths(spec: JobSpec) -> None:
     write, a folder that may not be its job folder (job/ownership.py), job files that are not
     regular files, and a job folder that holds another input or options."""
     spec.rows_total  # noqa: B018  (a damaged or empty input is said before the model loads)
-    check_template_columns(spec.input, spec.rows.prompt_template)
+    check_template_columns(spec.input, spec.rows.prompt_template,
+                           whole=spec.rows_total <= TEMPLATE_SAMPLE)
     manifest = saved_manifest(spec.job_dir)
     try:
         ownership.check_output_file(spec.output)  # before anything resolves it
@@ -244,15 +245,15 @@ def input_stem(path: Path) -> str:
 TEMPLATE_SAMPLE = 100  # rows read to check --prompt-template's columns before the model loads
 
 
-def check_template_columns(path: Path, template: str | None) -> None:
-    """Refuse (exit 2) a --prompt-template that names a column none of the input's first rows
-    that it would fill has (a Parquet file's schema, a JSONL file's first rows): every row
-    would fail. The message lists the columns there are. Rows with their own prompt or
-    messages, or in the OpenAI batch shape, take no template and are not counted."""
-    if template is None:
-        return
+def check_template_columns(path: Path, template: str | None, whole: bool = False) -> None:
+    """Refuse (exit 2) what would fail every row, from the input's first rows (a Parquet
+    file's schema, a JSONL file's first rows): a --prompt-template naming a column none of the
+    rows it would fill has; and, without a template, rows none of which has a prompt or
+    messages, where the rows read are all there are (`whole`, or Parquet: one schema). The
+    message lists the columns there are. Rows with their own prompt or messages, or in the
+    OpenAI batch shape, take no template and are not counted."""
     needed = []
-    for _, name, _, _ in string.Formatter().parse(template):
+    for _, name, _, _ in string.Formatter().parse(template or ""):
         if name:
             column = re.split(r"[.\[]", name, maxsplit=1)[0]
             if column not in needed:
@@ -264,16 +265,26 @@ def check_template_columns(path: Path, template: str | None) -> None:
             row = raw.value
             if raw.error is not None or not isinstance(row, dict) or is_openai_line(row) \
                     or "prompt" in row or "messages" in row:
-                continue
+                if raw.error is not None or not isinstance(row, dict):
+                    whole = False  # a row in error: not a question of columns
+                    continue
+                return  # a row with its own prompt
             filled += 1
             seen.update(dict.fromkeys(row))
     except InputError:
         return  # said as the input's own problem, elsewhere
+    names = [_column_name(c) for c in seen]
+    there = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+    if template is None:
+        if filled and (whole or is_parquet(path)):
+            raise InputMismatch(
+                f"the input's rows have no 'prompt' or 'messages' column (columns there: "
+                f"{there}): pass --prompt-template \"Classify: {{column}}\" to build each "
+                "row's prompt from its columns")
+        return
     missing = [c for c in needed if c not in seen]
     if not filled or not missing:
         return
-    names = [_column_name(c) for c in seen]
-    there = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
     hint = ""
     if any(c.lstrip().startswith('"') for c in missing):
         hint = " (braces that are not a column, as in JSON, are written {{ and }})"
