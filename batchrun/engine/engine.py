@@ -445,11 +445,11 @@ class Engine:
     def _collect(self, steps: list[Step]) -> None:
         now = time.perf_counter()
         choosing: list[tuple[Sequence, Step]] = []
-        started = [(s, step) for step in steps
+        started = [s for step in steps
                    if (s := self.scheduler.running.get(step.uid)) is not None
                    and s.ttft is None and step.finish_reason is None]
         if started:
-            self._keep_prompts([s for s, _ in started])
+            self._keep_prompts(started)
         for step in steps:
             seq = self.scheduler.running.get(step.uid)
             if seq is None:

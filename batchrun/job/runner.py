@@ -61,7 +61,6 @@ FILL_LINGER_S = 0.05  # an idle engine takes more rows while each comes within t
 PROGRESS_INTERVAL_S = 0.5
 # Ctrl-C, a stop request, and the terminal closing (SIGHUP): each stops the job resumably.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
 DONE_CACHE_SIZE = 4096  # recent outputs kept for identical rows further down the input
 # Threads that build rows, text and image rows alike. Tokenization keeps the GIL
 # (engine/backends/tokens.py's Encoder), so more threads only contend for it with the job loop

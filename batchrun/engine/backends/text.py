@@ -369,23 +369,20 @@ class TextBackend:
         out: list[list[list[float]] | None] = [None] * len(items)
         together = []
         batch = self._gen._generation_batch if self._gen is not None else None
+        gathers = batch is not None and all(
+            type(c) in (SharedPrefixBatchCache, BatchKVCache) for c in batch.prompt_cache)
         for n, (seq, step) in enumerate(items):
             blocks = self._choice_blocks.pop(step.uid, None)
             if self._windowed or self._stateful:
                 start = sum(len(b.tokens) for b in blocks) if blocks else 0
                 caches = PrefixCache.to_row_caches(blocks, self._kinds) if blocks else None
                 out[n] = score_alone(seq, self.model, caches, None, start)
-            elif step.finish_reason is not None or batch is None or \
-                    not all(type(c) in (SharedPrefixBatchCache, BatchKVCache)
-                            for c in batch.prompt_cache):
+            elif step.finish_reason is not None or not gathers:
                 out[n] = score_alone(seq, self.model, None, None)
             else:
                 together.append(n)
         if together:
-            cancel = getattr(batch, "_cancel_ahead", None)
-            if cancel is not None:
-                cancel()  # a verification started ahead would have moved the rows' caches
-            rows = [batch.uids.index(items[n][1].uid) for n in together]
+            batch, rows = self._batch_rows([items[n][1].uid for n in together])
             scores = batch_choice_logprobs(
                 self.model, [items[n][1].logprobs for n in together],
                 [items[n][0].choice_tokens for n in together],
@@ -406,15 +403,11 @@ class TextBackend:
         the first `upto` positions of the row's prompt, as views the prefix cache slices
         blocks from (`_Positions`): the row's shared prefix and its own tokens in the batch,
         nothing copied here."""
-        batch = self._gen._generation_batch
-        cancel = getattr(batch, "_cancel_ahead", None)
-        if cancel is not None:
-            cancel()
+        batch, rows = self._batch_rows(uids)
         layers = batch.prompt_cache
         padding = layers[0].left_padding.tolist()
         out = []
-        for uid, n in zip(uids, upto, strict=True):
-            i = batch.uids.index(uid)
+        for i, n in zip(rows, upto, strict=True):
             kv = []
             for layer in layers:
                 prefix = layer.prefixes[i] if isinstance(layer, SharedPrefixBatchCache) \
@@ -430,6 +423,16 @@ class TextBackend:
                 kv.append((_Positions(parts_k), _Positions(parts_v)))
             out.append(kv)
         return out
+
+    def _batch_rows(self, uids: list[int]) -> tuple[Any, list[int]]:
+        """The decoding batch, ready to be read (a verification started ahead would have moved
+        its rows' caches: undone), and the rows of `uids` in it."""
+        batch = self._gen._generation_batch
+        cancel = getattr(batch, "_cancel_ahead", None)
+        if cancel is not None:
+            cancel()
+        row_of = {uid: i for i, uid in enumerate(batch.uids)}
+        return batch, [row_of[uid] for uid in uids]
 
     @staticmethod
     def _choice_caches(layers: list, rows: list[int], lengths: list[int]):
