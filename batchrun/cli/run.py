@@ -320,13 +320,12 @@ def _dry_run_file(input_path: Path, opts: dict, debug: bool) -> str:
     from batchrun.api import Job
     from batchrun.io.jsonl import InputError
     from batchrun.job.errors import JobError, UsageError
-    from batchrun.job.spec import TEMPLATE_SAMPLE, check_template_columns
+    from batchrun.job.spec import check_template_columns
 
     try:
         job = Job(input_path, **opts)
         job.spec.rows_total  # noqa: B018  (a damaged or empty input: before the model loads)
-        check_template_columns(job.spec.input, job.spec.rows.prompt_template,
-                               whole=job.spec.rows_total <= TEMPLATE_SAMPLE)
+        check_template_columns(job.spec)
     except UsageError as e:
         raise click.UsageError(str(e)) from None
     except JobError as e:

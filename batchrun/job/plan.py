@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -300,7 +299,7 @@ def _grammar_problem(constraint) -> str | None:
 
 def _check_template(template: str | None) -> None:
     """--prompt-template must be a format string (its columns are checked row by row)."""
-    import string
+    from batchrun.job.rows import template_fields
 
     if template is None:
         return
@@ -311,12 +310,11 @@ def _check_template(template: str | None) -> None:
                     "keeps \\n as it is): write $'...\\n...' in bash, or a real line break "
                     "inside the quotes; in a job file \\n is a line break")
     try:
-        fields = [name for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+        fields = template_fields(template)
     except ValueError as e:
         raise UsageError(f"--prompt-template {template!r}: {e} (write {{{{ and }}}} for "
                          "literal braces)") from None
-    for name in fields:  # a column by name, or an item of one: {col} {col[key]}
-        column = re.split(r"[.\[]", name, maxsplit=1)[0]
+    for name, column in fields:  # a column by name, or an item of one: {col} {col[key]}
         if not column or column.isdigit() or "." in name:
             raise UsageError(f"--prompt-template: {{{name}}} does not name a column: write "
                              "{column} or {column[key]} (no positions or attributes)")

@@ -543,6 +543,13 @@ class _BoundedFormatter(string.Formatter):
         return text
 
 
+def template_fields(template: str) -> list[tuple[str, str]]:
+    """--prompt-template's fields, each (the field as written, the column it starts with):
+    {col} or {col[key]}. Raises ValueError for a template that is not a format string."""
+    return [(name, re.split(r"[.\[]", name, maxsplit=1)[0])
+            for _, name, _, _ in string.Formatter().parse(template) if name is not None]
+
+
 def _fill(template: str, row: dict, limit: int | None = None) -> str:
     try:
         return _BoundedFormatter(limit).vformat(template, (), row)

@@ -10,8 +10,6 @@ import dataclasses
 import itertools
 import json
 import os
-import re
-import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +21,7 @@ from batchrun.io.readers import count_rows, is_parquet, read_rows
 from batchrun.job import manifest as mf
 from batchrun.job import ownership
 from batchrun.job.errors import InputMismatch, JobConflict, JobError
-from batchrun.job.rows import RowOptions, is_openai_line
+from batchrun.job.rows import RowOptions, is_openai_line, template_fields
 from batchrun.job.state import DamagedFile
 
 
@@ -105,8 +103,7 @@ def check_paths(spec: JobSpec) -> None:
     write, a folder that may not be its job folder (job/ownership.py), job files that are not
     regular files, and a job folder that holds another input or options."""
     spec.rows_total  # noqa: B018  (a damaged or empty input is said before the model loads)
-    check_template_columns(spec.input, spec.rows.prompt_template,
-                           whole=spec.rows_total <= TEMPLATE_SAMPLE)
+    check_template_columns(spec)
     manifest = saved_manifest(spec.job_dir)
     try:
         ownership.check_output_file(spec.output)  # before anything resolves it
@@ -245,30 +242,27 @@ def input_stem(path: Path) -> str:
 TEMPLATE_SAMPLE = 100  # rows read to check --prompt-template's columns before the model loads
 
 
-def check_template_columns(path: Path, template: str | None, whole: bool = False) -> None:
+def check_template_columns(spec: JobSpec) -> None:
     """Refuse (exit 2) what would fail every row, from the input's first rows (a Parquet
     file's schema, a JSONL file's first rows): a --prompt-template naming a column none of the
     rows it would fill has; and, without a template, rows none of which has a prompt or
-    messages, where the rows read are all there are (`whole`, or Parquet: one schema). The
-    message lists the columns there are. Rows with their own prompt or messages, or in the
-    OpenAI batch shape, take no template and are not counted."""
-    needed = []
-    for _, name, _, _ in string.Formatter().parse(template or ""):
-        if name:
-            column = re.split(r"[.\[]", name, maxsplit=1)[0]
-            if column not in needed:
-                needed.append(column)
+    messages, where the rows read are all there are (or Parquet: one schema). The message
+    lists the columns there are. A row with its own prompt or messages, or in the OpenAI batch
+    shape, takes no template: the input is not refused."""
+    template = spec.rows.prompt_template
+    needed = list(dict.fromkeys(c for _, c in template_fields(template or "")))
+    whole = spec.rows_total <= TEMPLATE_SAMPLE
     seen: dict[str, None] = {}
     filled = 0
     try:
-        for raw in itertools.islice(read_rows(path), TEMPLATE_SAMPLE):
+        for raw in itertools.islice(read_rows(spec.input, 0, spec.rows.limits.row_bytes),
+                                    TEMPLATE_SAMPLE):
             row = raw.value
-            if raw.error is not None or not isinstance(row, dict) or is_openai_line(row) \
-                    or "prompt" in row or "messages" in row:
-                if raw.error is not None or not isinstance(row, dict):
-                    whole = False  # a row in error: not a question of columns
-                    continue
-                return  # a row with its own prompt
+            if raw.error is not None or not isinstance(row, dict):
+                whole = False  # a row in error: not a question of columns
+                continue
+            if is_openai_line(row) or "prompt" in row or "messages" in row:
+                return
             filled += 1
             seen.update(dict.fromkeys(row))
     except InputError:
@@ -276,7 +270,7 @@ def check_template_columns(path: Path, template: str | None, whole: bool = False
     names = [_column_name(c) for c in seen]
     there = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
     if template is None:
-        if filled and (whole or is_parquet(path)):
+        if filled and (whole or is_parquet(spec.input)):
             raise InputMismatch(
                 f"the input's rows have no 'prompt' or 'messages' column (columns there: "
                 f"{there}): pass --prompt-template \"Classify: {{column}}\" to build each "
