@@ -1,5 +1,6 @@
 """Small helpers the job-level tests share: run the CLI in-process, write and read JSONL."""
 
+import time
 from pathlib import Path
 
 import orjson
@@ -31,6 +32,16 @@ def committed_rows(job: Path) -> int:
     except (OSError, ValueError):
         return 0
     return state["rows_done"] + state["rows_failed"]
+
+
+def wait_until(condition, proc, timeout: float = 60.0) -> None:
+    """Wait for `condition()` while the process `proc` runs; fails if it ends or time runs
+    out first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, "the job ended before the condition held"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
 
 
 def line_count(path: Path) -> int:

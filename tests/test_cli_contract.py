@@ -20,7 +20,7 @@ from click.testing import CliRunner
 import batchrun.api
 from batchrun.cli import cli, resume_command
 from batchrun.job.errors import UsageError
-from tests.helpers import committed_rows, jsonl, line_count, run, write_rows
+from tests.helpers import committed_rows, jsonl, line_count, run, wait_until, write_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "sample_data" / "demo-model"
@@ -108,10 +108,7 @@ def test_a_stdin_job_survives_ctrl_c_and_resumes_from_its_spooled_rows(tmp_path)
         proc = subprocess.Popen([sys.executable, "-m", "batchrun", "run", "-", "--job-dir",
                                  str(job), "--quiet", "--max-concurrency", "4"], stdin=stdin,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while line_count(job / "results.jsonl") < 8:
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: line_count(job / "results.jsonl") >= 8, proc, timeout=120)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     err = err.decode()

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import orjson
@@ -24,7 +23,7 @@ from batchrun.job.limits import RowLimits, parse_limits
 from batchrun.job.recovery import recover
 from batchrun.job.sink import OrderedSink, commit
 from batchrun.job.state import JobState, Progress
-from tests.helpers import jsonl, line_count, write_rows
+from tests.helpers import jsonl, line_count, wait_until, write_rows
 
 
 def invoke(*args, **kwargs):
@@ -346,10 +345,7 @@ def test_a_job_started_under_nohup_runs_on_after_sighup(tmp_path):
              f"os.execv(sys.executable, {args!r})")
     proc = subprocess.Popen([sys.executable, "-c", start], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while line_count(job / "results.jsonl") < 4:
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: line_count(job / "results.jsonl") >= 4, proc, timeout=120)
     proc.send_signal(signal.SIGHUP)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
@@ -365,10 +361,7 @@ def test_sighup_stops_a_job_resumably_with_the_resume_line(tmp_path):
     command = [sys.executable, "-m", "batchrun", "run", str(path), "--job-dir", str(job),
                "--quiet", "--max-concurrency", "4"]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while line_count(job / "results.jsonl") < 8:
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: line_count(job / "results.jsonl") >= 8, proc, timeout=120)
     proc.send_signal(signal.SIGHUP)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGHUP, err

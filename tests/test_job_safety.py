@@ -8,14 +8,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import orjson
 import pytest
 
 from batchrun.cli import resume_command
-from tests.helpers import committed_rows, jsonl, line_count, run, write_rows
+from tests.helpers import committed_rows, jsonl, line_count, run, wait_until, write_rows
 
 
 def rows_file(tmp_path: Path, n: int = 12, name: str = "rows.jsonl") -> Path:
@@ -98,7 +97,7 @@ def test_ctrl_c_after_restart_hints_a_resume_that_keeps_progress(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "batchrun", "run", str(rows), "--job-dir",
                              str(job), "--restart", "--quiet", "--max-concurrency", "4"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait(lambda: line_count(job / "results.jsonl") >= 10, proc)
+    wait_until(lambda: line_count(job / "results.jsonl") >= 10, proc)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
@@ -119,7 +118,7 @@ def test_rows_finished_behind_a_slow_row_survive_a_kill_and_are_not_computed_aga
                              str(job), "--quiet", "--max-concurrency", "8"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     # The slow row 0 holds the ordered output back; the others are committed from the spill.
-    _wait(lambda: committed_rows(job) >= 20, proc, timeout=120)
+    wait_until(lambda: committed_rows(job) >= 20, proc, timeout=120)
     proc.kill()
     proc.wait()
     assert line_count(job / "results.jsonl") == 0, "row 0 should still have been running"
@@ -390,7 +389,7 @@ def test_sigterm_stops_like_ctrl_c_with_exit_143(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "batchrun", "run", str(rows), "--job-dir",
                              str(job), "--quiet", "--max-concurrency", "4"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait(lambda: line_count(job / "results.jsonl") >= 10, proc)
+    wait_until(lambda: line_count(job / "results.jsonl") >= 10, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err
@@ -507,14 +506,6 @@ def _invoke(*args):
     from batchrun.cli import cli
 
     return CliRunner().invoke(cli, [str(a) for a in args])
-
-
-def _wait(condition, proc, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert proc.poll() is None, "the job ended before the condition held"
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def test_the_first_row_in_input_order_owns_an_id_whatever_order_rows_are_seen_in():
