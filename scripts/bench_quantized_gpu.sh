@@ -7,6 +7,7 @@
 #     bash scripts/bench_quantized_gpu.sh probe moedecode agree   # the follow-ups below
 #     bash scripts/bench_quantized_gpu.sh sliding # gemma3 and gpt_oss bench shapes, bf16
 #     bash scripts/bench_quantized_gpu.sh hybrid  # qwen3_5 and granite_hybrid bench shapes, bf16
+#     bash scripts/bench_quantized_gpu.sh choices # choices against free answers; kept prompts
 #
 # Run from the repository root after the wheel set-up line of shared/gpu/README.md (or, on a
 # machine still warm from it, alone: the environment is set up again from /tmp/site). Models are
@@ -34,6 +35,9 @@
 #   hybrid: labeling (batchrun cold/warm, the peer) for the hybrid recurrent shapes (qwen3_5,
 #          granite_hybrid, bf16: state snapshots, the chunked gated-delta rule), then qwen3_5's
 #          decode against batch_generate.
+#   choices: --choices against free 8-token answers on the same rows (qwen3 bf16; 2,048 rows
+#          under a ~3,000-token instruction: $BQ_CHOICE_ROWS, $BQ_CHOICE_WORDS), then the decode
+#          job with rows keeping their computed prompts and without (BATCHRUN_KEEP_PROMPTS=0).
 # Sizes can be shrunk for a dry run on a CPU: BQ_SIZE=tiny BQ_LAB_ROWS=8 BQ_LAB_WORDS=100
 # BQ_TOKENS=8 BQ_DEC_ROWS=8 BQ_DEC_CONC=8 ...
 set -u
@@ -197,8 +201,9 @@ for line in open(path):
         for sys_name, wall in r["wall_s"].items():
             job = r["details"].get(sys_name, {}).get("wall_s") or 0
             peak = r["details"].get(sys_name, {}).get("peak_memory_bytes", 0) / 2**30
+            n = r.get("rows") or rows
             print(f"  {sys_name:40} process {wall:7.2f} s  job {job:7.3f} s  "
-                  f"{rows / job if job else 0:7.1f} rows/s (job)  peak {peak:6.2f} GiB")
+                  f"{n / job if job else 0:7.1f} rows/s (job)  peak {peak:6.2f} GiB")
     elif "results" in r:  # decode
         print(f"{name}  (flags: {r['flags'] or 'default'})")
         for x in r["results"]:
@@ -291,10 +296,23 @@ hybrid() {
   decode hybrid qwen35-bf16 "$q" batchrun,batch_generate
 }
 
+choices() {
+  local b=$W/models/qwen3-bf16 LAB_ROWS=${BQ_CHOICE_ROWS:-2048} \
+    LAB_WORDS=${BQ_CHOICE_WORDS:-2000} LAB_CONC=1024
+  local pick="--choices positive,negative,neutral"
+  build qwen3-bf16 qwen3 none || return 1
+  prime choices bf16 "$b" $pick
+  labeling choices free "$b" batchrun
+  labeling choices choices "$b" batchrun "$pick"
+  decode choices keep "$b" batchrun
+  BATCHRUN_KEEP_PROMPTS=0 decode choices nokeep "$b" batchrun
+}
+
 for phase in "$@"; do
   case $phase in
-    dense|moe|probe|moedecode|agree|sliding|hybrid) ;;
-    *) echo "unknown phase $phase (dense, moe, probe, moedecode, agree, sliding, hybrid)" >&2
+    dense|moe|probe|moedecode|agree|sliding|hybrid|choices) ;;
+    *) echo "unknown phase $phase (dense, moe, probe, moedecode, agree, sliding, hybrid," \
+         "choices)" >&2
        exit 2 ;;
   esac
   {
