@@ -38,6 +38,9 @@
 #   choices: --choices against free 8-token answers on the same rows (qwen3 bf16; 2,048 rows
 #          under a ~3,000-token instruction: $BQ_CHOICE_ROWS, $BQ_CHOICE_WORDS), then the decode
 #          job with rows keeping their computed prompts and without (BATCHRUN_KEEP_PROMPTS=0).
+#   hybridprof: where qwen3_5's labeling job spends its time: the labeling rows run cold and
+#          warm through scripts/trace_job.py (a line an engine step and prefill call) with the
+#          job loop under cProfile; the trace and the profile's top functions go under $OUT.
 # Sizes can be shrunk for a dry run on a CPU: BQ_SIZE=tiny BQ_LAB_ROWS=8 BQ_LAB_WORDS=100
 # BQ_TOKENS=8 BQ_DEC_ROWS=8 BQ_DEC_CONC=8 ...
 set -u
@@ -182,9 +185,10 @@ decode() {
 summary() {
   $PY - "$OUT/results-$1.jsonl" "$LAB_ROWS" <<'EOF'
 import json, sys
+from pathlib import Path
 path, rows = sys.argv[1], int(sys.argv[2])
 print(f"\n===== summary: {path}")
-for line in open(path):
+for line in (Path(path).read_text().splitlines() if Path(path).exists() else []):
     r = json.loads(line)
     name = r["item"]
     if r.get("skipped"):
@@ -308,11 +312,39 @@ choices() {
   BATCHRUN_KEEP_PROMPTS=0 decode choices nokeep "$b" batchrun
 }
 
+hybridprof() {
+  local q=$W/models/qwen35-bf16 d=$W/prof
+  build qwen35-bf16 qwen3_5 none || return 1
+  prime hybridprof qwen35-bf16 "$q"
+  rm -rf "$d"; mkdir -p "$d"
+  $PY -c "
+import sys; sys.path.insert(0, 'scripts')
+from pathlib import Path
+from bench_labeling import write_rows
+write_rows(Path('$d/rows.jsonl'), $LAB_ROWS, $LAB_WORDS)"
+  local run
+  for run in cold warm; do
+    TRACE_PROFILE=$OUT/prof-$run.pstats item hybridprof "trace-$run" 240 60 \
+      $PY scripts/trace_job.py run "$d/rows.jsonl" --quiet --max-tokens "$LAB_TOKENS" \
+      --model "$q" --job-dir "$d/job-$run" --cache-dir "$d/cache" --restart
+    cp "$W/trace-$run.err" "$OUT/trace-$run.txt" 2>/dev/null
+    $PY -c "
+import json, sys
+r = json.load(open('$d/job-$run/report.json'))['runs'][-1]
+print({k: r.get(k) for k in ('wall_s', 'mean_batch_size', 'prefill_time_s', 'decode_time_s')})"
+    [ -f "$OUT/prof-$run.pstats" ] && $PY -c "
+import pstats
+s = pstats.Stats('$OUT/prof-$run.pstats')
+s.sort_stats('tottime').print_stats(30)
+s.sort_stats('cumulative').print_stats(45)" >"$OUT/prof-$run.txt" 2>&1
+  done
+}
+
 for phase in "$@"; do
   case $phase in
-    dense|moe|probe|moedecode|agree|sliding|hybrid|choices) ;;
+    dense|moe|probe|moedecode|agree|sliding|hybrid|choices|hybridprof) ;;
     *) echo "unknown phase $phase (dense, moe, probe, moedecode, agree, sliding, hybrid," \
-         "choices)" >&2
+         "choices, hybridprof)" >&2
        exit 2 ;;
   esac
   {
