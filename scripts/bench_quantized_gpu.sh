@@ -38,6 +38,9 @@
 #   choices: --choices against free 8-token answers on the same rows (qwen3 bf16; 2,048 rows
 #          under a ~3,000-token instruction: $BQ_CHOICE_ROWS, $BQ_CHOICE_WORDS), then the decode
 #          job with rows keeping their computed prompts and without (BATCHRUN_KEEP_PROMPTS=0).
+#   hybridfix: the gated-delta decode step kernel against mlx-lm's rule
+#          (probe_gated_delta_step.py), then qwen3_5's labeling (batchrun cold/warm, the peer)
+#          and its decode against batch_generate, and with the kernel off.
 #   hybridprof: where qwen3_5's labeling job spends its time: the labeling rows run cold and
 #          warm through scripts/trace_job.py (a line an engine step and prefill call) with the
 #          job loop under cProfile; the trace and the profile's top functions go under $OUT.
@@ -312,6 +315,17 @@ choices() {
   BATCHRUN_KEEP_PROMPTS=0 decode choices nokeep "$b" batchrun
 }
 
+hybridfix() {
+  local q=$W/models/qwen35-bf16
+  item hybridfix probe-gated-delta-step 120 30 $PY scripts/probe_gated_delta_step.py \
+    "$OUT/gated-delta-step"
+  build qwen35-bf16 qwen3_5 none || return 1
+  prime hybridfix qwen35-bf16 "$q"
+  labeling hybridfix qwen35-bf16 "$q" batchrun,peer
+  decode hybridfix qwen35-bf16 "$q" batchrun,batch_generate
+  BATCHRUN_GATED_DELTA_KERNEL=0 decode hybridfix qwen35-nokernel "$q" batchrun
+}
+
 hybridprof() {
   local q=$W/models/qwen35-bf16 d=$W/prof
   build qwen35-bf16 qwen3_5 none || return 1
@@ -342,9 +356,9 @@ s.sort_stats('cumulative').print_stats(45)" >"$OUT/prof-$run.txt" 2>&1
 
 for phase in "$@"; do
   case $phase in
-    dense|moe|probe|moedecode|agree|sliding|hybrid|choices|hybridprof) ;;
+    dense|moe|probe|moedecode|agree|sliding|hybrid|choices|hybridfix|hybridprof) ;;
     *) echo "unknown phase $phase (dense, moe, probe, moedecode, agree, sliding, hybrid," \
-         "choices, hybridprof)" >&2
+         "choices, hybridfix, hybridprof)" >&2
        exit 2 ;;
   esac
   {

@@ -237,6 +237,13 @@ def test_a_gpus_prefill_budget_follows_its_memory_and_the_models_widths(demo, mo
     assert memory.activation_bytes(Unknown()) is None
     assert memory.prefill_token_budget(Unknown()) == low
 
+    class Nested:  # Qwen3.5's and Gemma 3's checkpoints say them in a text_config
+        parameters = model.parameters
+        args = type("Args", (), {"text_config": {
+            "hidden_size": model.args.hidden_size,
+            "intermediate_size": model.args.intermediate_size}})()
+    assert memory.activation_bytes(Nested()) == width
+
 
 def test_invalid_sampling_values_name_the_field():
     with pytest.raises(ValueError, match="top_p"):

@@ -142,6 +142,25 @@ def test_unique_prompts_are_kept_in_memory_and_written_to_disk_once_reused(demo,
     assert len(entry_files(cache.disk.folder)) == own // 16  # written once reused
 
 
+def test_prompts_are_not_kept_when_device_memory_nears_the_limit(demo):
+    """Keeping a row's prompt is a bet on a later row: never at the cost of the running
+    batch's memory. Near the limit nothing more is kept, and blocks kept but not reused are
+    let go; the outputs stay the same."""
+    cache = make_prefix_cache(FP, 1 << 30, None, block_size=16)
+    e = engine(demo, cache, max_concurrency=2)
+    prompts = [f"Row {i} " + "unique words here " * 10 for i in range(4)]
+    params = SamplingParams(max_tokens=3)
+    plain = [o.token_ids for o in engine(demo, max_concurrency=2).generate(prompts, params)]
+    first = e.generate(prompts[:2], params)
+    assert cache.stats.kept_blocks > 0 and len(cache.blocks) == cache.stats.kept_blocks
+    e.memory_limit = 1  # as if the device were full
+    later = e.generate(prompts[2:], params)
+    assert [o.token_ids for o in first + later] == plain
+    assert len(cache.blocks) == 0 and cache.nbytes == 0  # the unreused ones let go
+    again = e.generate(prompts[2:3], params)[0]
+    assert again.cached_tokens == 0 and again.token_ids == plain[2]
+
+
 def test_lru_eviction_by_bytes():
     def block(i):
         k = mx.zeros((1, 2, 4, 8))

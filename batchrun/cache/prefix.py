@@ -319,6 +319,17 @@ class PrefixCache:
             self.nbytes -= old.nbytes
             self.stats.evicted_blocks += 1
 
+    def drop_kept(self) -> int:
+        """Forget the blocks kept from rows' prompts that no row has reused yet (they are
+        not on disk): memory the running batch needs more. Returns the bytes let go."""
+        dropped = [key for key, block in self.blocks.items() if not block.written]
+        freed = 0
+        for key in dropped:
+            freed += self.blocks.pop(key).nbytes
+        self.nbytes -= freed
+        self.stats.evicted_blocks += len(dropped)
+        return freed
+
     def clear(self) -> None:
         self.blocks.clear()
         self.nbytes = 0

@@ -36,7 +36,7 @@ from batchrun.engine.decoding.constrain import Grammars, choice_token_ids
 from batchrun.engine.decoding.reasoning import Markup, ThinkingBudget, ThinkingGate
 from batchrun.engine.generate import is_chat, prompt_ids, sampling_params
 from batchrun.engine.kernels import host_attention
-from batchrun.engine.memory import MemoryBudget, kv_budget, measure_kv
+from batchrun.engine.memory import MemoryBudget, device_memory_bytes, kv_budget, measure_kv
 from batchrun.engine.postprocess import (
     NOT_FINITE,
     Step,
@@ -62,6 +62,13 @@ WARM_UP_PROMPTS = ((1, 16), (40, 9))
 # Rows keep their computed prompts' blocks in the prefix cache (_keep_prompts); "0" turns it
 # off, for the side-by-side benchmark (BENCHMARKS.md, "Prefix cache").
 KEEP_PROMPTS = os.environ.get("BATCHRUN_KEEP_PROMPTS", "1") != "0"
+# ... and only while the device's memory in use stays under this share of MLX's memory limit:
+# a batch's KV caches are allocated past what the admission budget counts (rows padded to the
+# longest and grown in steps), and kept blocks that take that slack put decode steps at the
+# limit, where each allocation waits (BENCHMARKS.md, "Choices at speed": 1,024 decoding rows
+# ran at half speed with their prompts kept). Kept blocks not yet reused are dropped when
+# memory in use passes it.
+KEEP_BELOW_LIMIT = 0.8
 
 
 class Engine:
@@ -98,6 +105,8 @@ class Engine:
         if budget is None:
             budget = kv_budget(model, self.config.memory_utilization)
         self.memory = MemoryBudget(measure_kv(backend.kv_model), budget)
+        # MLX's memory limit on a GPU (kv_budget), the share of RAM that stands for it on a CPU
+        self.memory_limit = int(device_memory_bytes() * self.config.memory_utilization)
         self.scheduler = Scheduler(self.memory, self.config.max_concurrency or cap,
                                    self.config.prefill_batch_size)
         self.cache_control = PrefixCacheControl(self.scheduler, backend, self.memory,
@@ -490,6 +499,13 @@ class Engine:
                 and any(k not in cache.blocks for k in s.block_keys)]
         if not rows:
             return
+        new_blocks = sum(sum(k not in cache.blocks for k in s.block_keys) for s in rows)
+        line = KEEP_BELOW_LIMIT * self.memory_limit
+        in_use = mx.get_active_memory()
+        if in_use + new_blocks * self._block_bytes > line:
+            if in_use > line:
+                cache.drop_kept()
+            return
         upto = [len(s.block_keys) * cache.block_size for s in rows]
         kept = []
         for seq, n, layer_kv in zip(rows, upto,
@@ -499,6 +515,10 @@ class Engine:
                 kept.extend((*block.keys, *block.values))
         # Copied on the device behind the running step, not waited for: the host goes on.
         mx.async_eval(kept)
+
+    @property
+    def _block_bytes(self) -> int:
+        return self.memory.footprint.per_token * self.prefix_cache.block_size
 
     def _answer_choices(self, rows: list[tuple[Sequence, Step]]) -> None:
         """Right after choices rows' prompts: score every row's choices (together, where the

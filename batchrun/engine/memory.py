@@ -64,11 +64,11 @@ def activation_bytes(model: nn.Module | None) -> int | None:
     """About what one prompt token's activations take in a forward pass: an MLP's three
     intermediate-wide arrays and four hidden-wide ones, in the weights' float type, twice over
     for what stays alive between kernels. None if the model does not say its widths."""
-    args = getattr(model, "args", None)
-    hidden = getattr(args, "hidden_size", None)
+    args = _text_args(model)
+    hidden = args.get("hidden_size")
     if not isinstance(hidden, int) or hidden <= 0:
         return None
-    intermediate = getattr(args, "intermediate_size", None)
+    intermediate = args.get("intermediate_size")
     if not isinstance(intermediate, int) or intermediate <= 0:
         intermediate = 4 * hidden
     floats = [v.dtype for _, v in tree_flatten(model.parameters())
@@ -86,6 +86,18 @@ def prefill_token_budget(model: nn.Module | None) -> int:
     if per_token is None:
         return low
     return max(low, min(high, int(device_memory_bytes() * PREFILL_MEMORY_SHARE / per_token)))
+
+
+def _text_args(model: nn.Module | None) -> dict:
+    """The model's text widths: its args, or their `text_config` where the text model's are
+    nested there (Qwen3.5, Gemma 3's multimodal checkpoints)."""
+    args = getattr(model, "args", None)
+    found = {k: getattr(args, k, None) for k in ("hidden_size", "intermediate_size")}
+    nested = getattr(args, "text_config", None)
+    if found["hidden_size"] is None and nested is not None:
+        get = nested.get if isinstance(nested, dict) else lambda k: getattr(nested, k, None)
+        found = {k: get(k) for k in found}
+    return found
 
 
 def kv_budget(model: nn.Module, utilization: float) -> int:

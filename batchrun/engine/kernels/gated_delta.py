@@ -32,7 +32,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from batchrun.engine.kernels import host_attention
+from batchrun.engine.kernels import gated_delta_step, host_attention
 
 CHUNK = 32
 # False (or BATCHRUN_CHUNKED_GATED_DELTA=0): mlx-lm's rule, a position at a time.
@@ -111,7 +111,9 @@ def _segment_sums(x: mx.array) -> mx.array:
 
 
 def wanted() -> bool:
-    return ENABLED and not mx.metal.is_available()
+    """Whether to route the rule here: prompts by chunks, or decode steps by the CUDA kernel
+    (gated_delta_step.py); Metal keeps mlx-lm's kernel."""
+    return (ENABLED or gated_delta_step.ENABLED) and not mx.metal.is_available()
 
 
 def install(model: Any) -> bool:
@@ -136,6 +138,11 @@ def install(model: Any) -> bool:
 
         def routed(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *, use_kernel=True,
                    lower_bound=None, allow_neg_eigval=False, _original=original):
+            if q.shape[1] == 1 and host_attention.in_forwards() and gated_delta_step.ENABLED:
+                taken = _step(q, k, v, a, b, A_log, dt_bias, state, mask, lower_bound,
+                              allow_neg_eigval)
+                if taken is not None:
+                    return taken
             if not (ENABLED and host_attention.in_forwards() and q.shape[1] > CHUNK):
                 return _original(q, k, v, a, b, A_log, dt_bias, state, mask,
                                  use_kernel=use_kernel, lower_bound=lower_bound,
@@ -153,6 +160,19 @@ def install(model: Any) -> bool:
 
         module.gated_delta_update = routed
     return found
+
+
+def _step(q, k, v, a, b, A_log, dt_bias, state, mask, lower_bound, allow_neg_eigval):
+    """A decode step through gated_delta_step's kernel, with mlx-lm's own beta and decay;
+    None where the kernel does not take it."""
+    from mlx_lm.models.gated_delta import compute_g, compute_lower_bound_g
+
+    g = compute_g(A_log, a, dt_bias) if lower_bound is None else \
+        compute_lower_bound_g(A_log, a, dt_bias, lower_bound)
+    if not gated_delta_step.takes(q, g, state):
+        return None
+    beta = mx.sigmoid(b) * (2.0 if allow_neg_eigval else 1.0)
+    return gated_delta_step.step(q, k, v, g, beta, state, mask)
 
 
 def _log_decay(A_log: mx.array, a: mx.array, dt_bias: mx.array,
