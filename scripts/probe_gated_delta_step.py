@@ -53,15 +53,16 @@ def main() -> None:
         beta = mx.random.uniform(0.0, 1.0, (B, 1, H), key=keys[4]).astype(mx.bfloat16)
         state = mx.random.normal((B, H, D, D), key=keys[5]) * 0.1
         mx.eval(q, k, v, g, beta, state)
+        xs = (q, k, v, g, beta, state)
         taken = gated_delta_step.takes(q, g, state)
         row = {"rows": B, "kernel_taken": taken, "refused": gated_delta_step._refused[:1]}
-        row["mlx_lm_s"] = timed(lambda: gated_delta_ops(q, k, v, g, beta, state))
+        row["mlx_lm_s"] = timed(lambda xs=xs: gated_delta_ops(*xs))
         if taken:
             y, new = gated_delta_step.step(q, k, v, g, beta, state)
             y_ref, new_ref = gated_delta_ops(q, k, v, g, beta, state)
             row["max_diff_y"] = mx.abs(y - y_ref).max().item()
             row["max_diff_state"] = mx.abs(new - new_ref).max().item()
-            row["kernel_s"] = timed(lambda: gated_delta_step.step(q, k, v, g, beta, state))
+            row["kernel_s"] = timed(lambda xs=xs: gated_delta_step.step(*xs))
             row["speedup"] = row["mlx_lm_s"] / row["kernel_s"]
         print(json.dumps(row), flush=True)
         results.append(row)

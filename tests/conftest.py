@@ -39,6 +39,7 @@ LAYER = {
     "test_exit.py": "e2e", "test_ray.py": "e2e",
     # gpu: the CUDA kernels and the GPU's paths; here without a GPU (NVRTC compiles, CUDA faked)
     "test_decode_attention.py": "gpu", "test_first_use.py": "gpu",
+    "test_gated_delta_step.py": "gpu",
     "test_prefix_attention.py": "gpu",
 }
 

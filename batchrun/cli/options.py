@@ -118,9 +118,10 @@ io_options = Bundle("io", "Inputs and outputs", (
     option("--job-dir", type=click.Path(path_type=Path), default=None,
            help="job state folder [default: jobs/<input file stem>; needed for rows from "
                 "stdin, which are kept in it as stdin.jsonl]"),
-    option("--format", "format", type=click.Choice(["jsonl", "parquet"]), default=None,
+    option("--format", "format", type=click.Choice(["jsonl", "parquet", "csv", "tsv"]),
+           default=None,
            help="read the input as this format whatever its suffix [default: from the "
-                "suffix]"),
+                "suffix; rows on stdin: JSONL, or Parquet by its first bytes]"),
     option("--id-column", default=None, help="column that holds the row id"),
     option("--keep-columns", default=None,
            help="input columns copied into each JSONL result as `columns` (comma-separated, "

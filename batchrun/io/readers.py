@@ -1,9 +1,10 @@
-"""An input file as numbered rows, whatever its format (JSONL, .jsonl.gz, Parquet), and rows
-read from stdin spooled into a file first (a job reads its input more than once: to count, to
-check a resume against the files, to run).
+"""An input file as numbered rows, whatever its format (JSONL, .jsonl.gz, Parquet, CSV, TSV),
+and rows read from stdin spooled into a file first (a job reads its input more than once: to
+count, to check a resume against the files, to run).
 
 The format comes from the file's suffix unless `declare_format` forced one for that file
-(`--format`); JSONL is read as gzip whenever its bytes are (jsonl.open_binary).
+(`--format`); a file with neither is Parquet if it starts with Parquet's magic bytes (rows piped
+to stdin), else JSONL, read as gzip whenever its bytes are (jsonl.open_binary).
 """
 
 from __future__ import annotations
@@ -14,11 +15,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from batchrun.io.delimited import count_delimited, read_delimited
 from batchrun.io.files import replace_new
 from batchrun.io.jsonl import MAX_LINE_BYTES, RawRow, count_jsonl, read_jsonl
 from batchrun.io.parquet import count_parquet, read_parquet
 
-FORMATS = ("jsonl", "parquet")
+FORMATS = ("jsonl", "parquet", "csv", "tsv")
+# Suffixes (lowercase) that name a format; anything else is JSONL where a format is not given.
+SUFFIXES = {".parquet": "parquet", ".csv": "csv", ".tsv": "tsv", ".csv.gz": "csv",
+            ".tsv.gz": "tsv"}
+PARQUET_MAGIC = b"PAR1"
 SPOOL_CHUNK = 1 << 20
 # Input files whose format was given (--format), by absolute path: every reader of the file in
 # this process (the job runner, the Parquet output's scan) then agrees on it.
@@ -26,18 +32,20 @@ _declared: dict[str, str] = {}
 
 
 def declare_format(path: Path, fmt: str) -> None:
-    """Read `path` as `fmt` ("jsonl" or "parquet") whatever its suffix."""
+    """Read `path` as `fmt` (one of FORMATS) whatever its suffix."""
     if fmt not in FORMATS:
         raise ValueError(f"the input format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     _declared[_key(path)] = fmt
 
 
 def input_format(path: Path) -> str:
-    """"parquet" or "jsonl": the declared format, else the suffix's."""
+    """One of FORMATS: the declared format, else the suffix's, else "jsonl"."""
     declared = _declared.get(_key(path))
     if declared is not None:
         return declared
-    return "parquet" if Path(path).name.lower().endswith(".parquet") else "jsonl"
+    name = Path(path).name.lower()
+    by_suffix = next((fmt for suffix, fmt in SUFFIXES.items() if name.endswith(suffix)), None)
+    return by_suffix or sniff_format(path) or "jsonl"
 
 
 def is_parquet(path: Path) -> bool:
@@ -47,12 +55,28 @@ def is_parquet(path: Path) -> bool:
 def count_rows(path: Path, max_line: int = MAX_LINE_BYTES) -> int:
     """Rows in the input; raises InputError if it is damaged (truncated, not the format).
     `max_line`: bytes past which a JSONL line is a row in error, whatever it holds."""
-    return count_parquet(path) if is_parquet(path) else count_jsonl(path, max_line)
+    fmt = input_format(path)
+    if fmt in ("csv", "tsv"):
+        return count_delimited(path, fmt)
+    return count_parquet(path) if fmt == "parquet" else count_jsonl(path, max_line)
 
 
 def read_rows(path: Path, start: int = 0, max_line: int = MAX_LINE_BYTES) -> Iterator[RawRow]:
     """Rows from index `start` on; raises InputError if the file turns out damaged."""
-    return read_parquet(path, start) if is_parquet(path) else read_jsonl(path, start, max_line)
+    fmt = input_format(path)
+    if fmt in ("csv", "tsv"):
+        return read_delimited(path, fmt, start)
+    return read_parquet(path, start) if fmt == "parquet" else read_jsonl(path, start, max_line)
+
+
+def sniff_format(path: Path) -> str | None:
+    """"parquet" for a file that starts with Parquet's magic bytes (rows piped to stdin carry
+    no name; JSON text never starts so), else None."""
+    try:
+        with open(path, "rb") as f:
+            return "parquet" if f.read(4) == PARQUET_MAGIC else None
+    except OSError:
+        return None  # the reader that opens it next says why
 
 
 def spool(stream: BinaryIO, path: Path) -> str:

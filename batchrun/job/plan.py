@@ -28,7 +28,8 @@ GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k
                           "min_p": "min_p", "repetition_penalty": "repetition_penalty",
                           "max_new_tokens": "max_tokens"}
 STDIN = "-"  # the input name for rows read from stdin
-INPUT_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".parquet")
+INPUT_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".parquet", ".csv", ".tsv",
+                  ".csv.gz", ".tsv.gz")
 # Output suffixes that promise a format batchrun does not write (anything else is JSONL).
 OTHER_FORMATS = frozenset({".gz", ".bz2", ".xz", ".zst", ".zip", ".csv", ".tsv", ".json",
                            ".xlsx", ".arrow", ".feather"})
@@ -126,9 +127,9 @@ def _input_path(input_path: Path, o: IOOptions) -> Path:
     if o.format is not None:
         declare_format(input_path, o.format)
     elif not input_path.name.lower().endswith(INPUT_SUFFIXES):
-        raise UsageError(f"{input_path}: batchrun reads JSONL ({', '.join(INPUT_SUFFIXES[:-1])}) "
-                         f"or Parquet (.parquet), and job files (.toml); pass --format jsonl "
-                         "or --format parquet to read it as one")
+        raise UsageError(f"{input_path}: batchrun reads JSONL (.jsonl, .ndjson, .gz), Parquet "
+                         f"(.parquet), CSV (.csv) and TSV (.tsv), and job files (.toml); pass "
+                         f"--format jsonl, parquet, csv or tsv to read it as one")
     return input_path
 
 
