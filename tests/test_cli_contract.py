@@ -186,7 +186,7 @@ def usage_cases(tmp_path: Path) -> list[tuple[list, str]]:
         ([tmp_path / "noinput.toml"], "needs an 'input' key"),
         ([rows, "--max-tokens", "0"], "--max-tokens"),
         ([rows, "--top-p", "2"], "--top-p"),
-        ([rows, "--format", "csv"], "--format"),
+        ([rows, "--format", "csv"], "looks like JSONL: pass --format jsonl"),
         ([rows, "--choices", "a,b", "--regex", "x"], "at most one"),
         ([rows, "--regex", "(unclosed"], "--regex"),
         ([rows, "--prompt-template", "Classify: {review"], "--prompt-template"),
@@ -195,12 +195,14 @@ def usage_cases(tmp_path: Path) -> list[tuple[list, str]]:
         ([rows, "--served-model-name", "a,,b"], "--served-model-name"),
         ([rows, "-o", tmp_path / "out.csv"], "writes JSONL"),
         ([rows, "--json-schema", tmp_path / "nope.json"], "--json-schema"),
-        ([tmp_path / "rows.csv"], "--format"),
+        ([tmp_path / "rows.csv"], "looks like JSONL: pass --format jsonl"),
+        ([tmp_path / "rows.xlsx"], "--format"),
     ]
 
 
 def test_every_usage_error_exits_2_before_the_model_loads(tmp_path, monkeypatch):
-    (tmp_path / "rows.csv").write_text('{"prompt": "hi"}\n')
+    (tmp_path / "rows.csv").write_text('{"prompt": "hi"}\n{"prompt": "bye"}\n')
+    (tmp_path / "rows.xlsx").write_text('{"prompt": "hi"}\n')
     (tmp_path / "noinput.toml").write_text("max_tokens = 3\n")
     (tmp_path / "schema.json").write_text('{"type": "no such type"}')
     no_model(monkeypatch)

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from batchrun.io.jsonl import InputError
-from batchrun.io.readers import count_rows, is_parquet, read_rows
+from batchrun.io.readers import count_rows, input_format, read_rows
 from batchrun.job import manifest as mf
 from batchrun.job import ownership
 from batchrun.job.errors import InputMismatch, JobConflict, JobError
@@ -53,7 +53,10 @@ class JobSpec:
             except InputError as e:
                 raise JobError(str(e)) from None
             if self._rows_total == 0:
-                raise JobError(f"{self.input} has no rows")
+                header_only = input_format(self.input) in ("csv", "tsv")
+                raise JobError(f"{self.input} has no rows" + (
+                    " under its header row (a JSONL file? pass --format jsonl)"
+                    if header_only else ""))
         return self._rows_total
 
     @property
@@ -269,12 +272,16 @@ def check_template_columns(spec: JobSpec) -> None:
         return  # said as the input's own problem, elsewhere
     names = [_column_name(c) for c in seen]
     there = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+    # A CSV header that is a JSON object: a JSONL file read as CSV
+    looks_jsonl = input_format(spec.input) in ("csv", "tsv") and \
+        any(str(c).lstrip().startswith("{") for c in seen)
+    jsonl_hint = " (the file looks like JSONL: pass --format jsonl)" if looks_jsonl else ""
     if template is None:
-        if filled and (whole or is_parquet(spec.input)):
+        if filled and (whole or input_format(spec.input) != "jsonl"):  # or one schema
             raise InputMismatch(
                 f"the input's rows have no 'prompt' or 'messages' column (columns there: "
                 f"{there}): pass --prompt-template \"Classify: {{column}}\" to build each "
-                "row's prompt from its columns")
+                f"row's prompt from its columns{jsonl_hint}")
         return
     missing = [c for c in needed if c not in seen]
     if not filled or not missing:
@@ -282,10 +289,12 @@ def check_template_columns(spec: JobSpec) -> None:
     hint = ""
     if any(c.lstrip().startswith('"') for c in missing):
         hint = " (braces that are not a column, as in JSON, are written {{ and }})"
+    rows = "input's only row does" if filled == 1 and whole else \
+        f"input's {filled:,} rows do" if whole else f"input's first {filled:,} rows do"
     raise InputMismatch(
         f"--prompt-template names column{'s' if len(missing) > 1 else ''} "
-        f"{', '.join(_column_name(c) for c in missing)}, which the input's first "
-        f"{filled:,} rows do not have; columns there: {there or 'none'}{hint}")
+        f"{', '.join(_column_name(c) for c in missing)}, which the {rows} not have; columns "
+        f"there: {there or 'none'}{hint or jsonl_hint}")
 
 
 def _column_name(name: str, limit: int = 40) -> str:
