@@ -75,6 +75,24 @@ NOISY = ("import os, sys\n"
          "main()\n")
 
 
+def test_a_finished_jobs_results_print_to_stdout_whatever_its_output(tmp_path):
+    """`-o -` asks for the job's results on stdout: a job that wrote them to a file prints
+    them without being a different job (no --restart, no model loaded)."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows_of(3)))
+    job, out = tmp_path / "job", tmp_path / "labels.jsonl"
+    rc, _, err = cli_process("run", rows, "--job-dir", job, "-o", out, "--quiet")
+    assert rc == 0, err
+    rc, printed, err = cli_process("run", rows, "--job-dir", job, "-o", "-", "--quiet")
+    assert rc == 0 and printed == out.read_bytes() and len(printed.splitlines()) == 3, err
+    assert "model:" not in err  # nothing ran
+    # with --restart, a new job: its results on stdout, the old output file left as it was
+    before = out.read_bytes()
+    rc, printed, err = cli_process("run", rows, "--job-dir", job, "-o", "-", "--quiet",
+                                   "--restart", "--max-tokens", "2")
+    assert rc == 0 and len(printed.splitlines()) == 3 and out.read_bytes() == before, err
+
+
 def test_rows_from_stdin_and_results_on_stdout_carry_nothing_else(tmp_path):
     rows = rows_of(6)
     data = b"".join(orjson.dumps(r) + b"\n" for r in rows)

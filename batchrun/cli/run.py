@@ -140,6 +140,20 @@ def _stdout_to_stderr(enabled: bool) -> Iterator[None]:
             os.close(saved)
 
 
+def _saved_output(input_path: Path, job_dir: Path | None, from_stdin: bool) -> Path | None:
+    """The -o of the job in the job folder, if one is there (None: none, or its own
+    results.jsonl; a damaged job.json is said when the job is checked)."""
+    from batchrun.job.errors import JobError
+    from batchrun.job.spec import default_job_dir, saved_output
+
+    if job_dir is None and from_stdin:
+        return None
+    try:
+        return saved_output(Path(job_dir) if job_dir else default_job_dir(input_path))
+    except (JobError, OSError):
+        return None
+
+
 def _print_results(results: Path) -> None:
     """The job's result lines, in input order, on stdout."""
     import shutil
@@ -161,11 +175,15 @@ def _run(ctx: click.Context, input_path: Path, opts: dict, spooled: list[Path],
     fail_on_row_errors = opts.pop("fail_on_row_errors", False)
     moved = opts.pop("_output_follows_job_dir", False)
     dry_run = opts.pop("dry_run", False)
-    if _is_dash(opts["output"]):
-        opts["output"] = None  # the job folder's results.jsonl, printed at the end
     if job_file and not opts["job_dir"]:
         opts["job_dir"] = job_file.parent / job_file.stem
     from_stdin = _is_dash(input_path)
+    if _is_dash(opts["output"]):
+        # The job's results, printed at the end: those of the job in the folder, whatever -o
+        # it ran with (printing a job's results takes no new job), else the folder's
+        # results.jsonl.
+        opts["output"] = None if opts.get("restart") else \
+            _saved_output(input_path, opts["job_dir"], from_stdin)
     if from_stdin:
         _check_stdin(opts, dry_run)
     elif not input_path.exists():

@@ -101,6 +101,18 @@ def saved_manifest(job_dir: Path) -> dict | None:
         raise JobError(str(e)) from None
 
 
+def saved_output(job_dir: Path) -> Path | None:
+    """The output of the job in `job_dir` when it is not the folder's own results.jsonl
+    (None: no job there, or that one); JobError if its job.json is damaged."""
+    manifest = saved_manifest(job_dir)
+    if manifest is None:
+        return None
+    output = _saved_output(manifest, job_dir)
+    if output is None or output == ownership.full(Path(job_dir) / "results.jsonl"):
+        return None
+    return output
+
+
 def check_paths(spec: JobSpec) -> None:
     """Refuse, before any work (the model is not loaded yet), an output this job may not
     write, a folder that may not be its job folder (job/ownership.py), job files that are not
@@ -236,7 +248,8 @@ def default_job_dir(input_path: Path) -> Path:
 
 def input_stem(path: Path) -> str:
     name = path.name
-    for suffix in (".jsonl.gz", ".jsonl", ".parquet", ".toml", ".json"):
+    for suffix in (".jsonl.gz", ".ndjson.gz", ".csv.gz", ".tsv.gz", ".jsonl", ".ndjson",
+                   ".parquet", ".csv", ".tsv", ".toml", ".json"):
         if name.endswith(suffix):
             return name[: -len(suffix)]
     return path.stem
