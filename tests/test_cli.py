@@ -212,7 +212,7 @@ def test_every_option_of_every_command_has_help_text():
     assert not missing, missing
 
 
-@pytest.mark.parametrize("name", ["notes.txt", "rows.csv", "rows.json"])
+@pytest.mark.parametrize("name", ["notes.txt", "rows.xlsx", "rows.json"])
 def test_an_input_of_another_format_is_a_usage_error_before_the_model_loads(tmp_path, name):
     data = tmp_path / name
     data.write_text('{"prompt": "hi"}\n')

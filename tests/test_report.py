@@ -235,6 +235,11 @@ def test_the_label_distribution_of_a_choices_job(labeled_job):
                                                                       "neu": 1}
     page = (job / "report.html").read_text()
     assert "Labels" in page and "40.0%" in page and "2 of them (40.0%) unsure" in page
+    # a few rows to look at: the first ones, and the least sure (lowest top probability)
+    assert [r["index"] for r in labels["samples"]] == [0, 1, 2, 3, 5]
+    assert [(r["index"], r["answer"], r["prob"]) for r in labels["least_sure"]] == [
+        (3, "neu", 0.4), (2, "pos", 0.45), (1, "neg", 0.7), (5, "neg", 0.8), (0, "pos", 0.9)]
+    assert "The least sure rows" in page and "The first rows" in page
 
 
 def test_labels_are_counted_against_the_expected_answers(tmp_path):
@@ -256,6 +261,14 @@ def test_labels_are_counted_against_the_expected_answers(tmp_path):
     assert "3 of 4 results are the expected answer: 75.0%" in rp.summary_text(
         orjson.loads((job / "report.json").read_bytes()))
     assert "3 of 4 results are the expected answer" in (job / "report.html").read_text()
+    # the rows that disagree, and expected against answered
+    assert [(r["index"], r["expected"], r["answer"]) for r in expected["disagreeing"]] == [
+        (1, "pos", "neg")]
+    assert {(c["expected"], c["answer"]): c["rows"] for c in expected["confusion"]} == {
+        ("pos", "pos"): 2, ("pos", "neg"): 1, ("neg", "neg"): 1}
+    page = (job / "report.html").read_text()
+    assert "Expected (down) against answered (across)" in page
+    assert "Rows whose answer is not the expected one" in page
 
 
 def test_free_text_answers_are_counted_against_the_expected_answers_too():
@@ -264,8 +277,10 @@ def test_free_text_answers_are_counted_against_the_expected_answers_too():
                            ("42", "42")]:
         tally.add(orjson.dumps({"text": text, "expected": expected,
                                 "usage": {"prompt_tokens": 3, "completion_tokens": 1}}), False)
-    assert tally.figures()["expected"] == {"column": "answer", "rows": 4, "agreeing_rows": 3,
-                                           "accuracy": 0.75}
+    figures = tally.figures()["expected"]
+    assert {k: figures[k] for k in ("column", "rows", "agreeing_rows", "accuracy")} == {
+        "column": "answer", "rows": 4, "agreeing_rows": 3, "accuracy": 0.75}
+    assert [r["answer"] for r in figures["disagreeing"]] == ["Lyon"]
     # a job that names a column no row has says so
     empty = rp.RecordTally(expected_column="anwser").figures()["expected"]
     assert "no result has an expected answer (anwser)" in rp.accuracy_text(empty)
@@ -355,6 +370,20 @@ def test_a_labeling_run_reports_its_labels_end_to_end(tmp_path):
     assert "labels:" in result_.output and "row errors: missing_prompt 1" in result_.output
     page = (job / "report.html").read_text()
     assert "Labels" in page and "missing_prompt" in page and "http" not in page
+    # the prompt the model saw, before the labels; the throughput after them
+    assert report["runs"][-1]["first_prompt"]["index"] == 0
+    assert "Review 0: it broke on day 0." in report["runs"][-1]["first_prompt"]["text"]
+    assert page.index("The prompt") < page.index("Labels") < page.index("Throughput")
+    assert "Every row failed" not in page
+
+
+def test_a_job_whose_every_row_failed_says_so_first(tmp_path):
+    path = write_rows(tmp_path / "rows.jsonl", [{"prompt": ""}, {"prompt": "hi", "n": -1}])
+    job = tmp_path / "job"
+    run(path, "--job-dir", job, code=1)
+    page = (job / "report.html").read_text()
+    assert "Every row failed" in page and page.index("Every row failed") < page.index(
+        "Row errors")
 
 
 def test_the_speculation_line_says_what_each_run_asked_and_a_run_with_nothing_to_guess():

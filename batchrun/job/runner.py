@@ -90,12 +90,19 @@ class RowWork:
         self.deduplicated = 0
         self.models_requested: Counter[str] = Counter()  # OpenAI rows' body.model, answered
         self._read_ahead = threading.Event()  # the first row's cached blocks asked for
+        # The lowest-indexed row built in this start: (index, its prompt's token ids), for the
+        # report's "the prompt the model sees" (decoded at a commit, not on the builders).
+        self._first_prompt: tuple[int, list[int]] | None = None
+        self._first_text: dict | None = None
 
     def _build_task(self, raw: RawRow) -> Task | RowError:
         task = build_task(raw.value, raw.index, raw.line, self.engine.prompts, self.row_options)
         if isinstance(task, Task):
             task.prompt_digest = _prompt_digest(
                 task.prompt_ids, task.vision.digests if task.vision is not None else ())
+            first = self._first_prompt
+            if first is None or raw.index < first[0]:  # builders race: the lowest index wins
+                self._first_prompt = (raw.index, task.prompt_ids)
             if task.vision is None and not self._read_ahead.is_set():
                 # The job's first row (a labeling job's shared instruction): its cached blocks
                 # are read from disk while the engine warms up, not after.
@@ -169,6 +176,9 @@ class RowWork:
     def _write_error(self, error: RowError, sink, openai: bool) -> None:
         sink.put(error.index, orjson.dumps(error_record(error, openai)) + b"\n", is_error=True)
 
+
+
+FIRST_PROMPT_TOKENS = 2048  # of the first row's prompt the report keeps
 
 
 class JobRunner(RowWork):
@@ -425,6 +435,12 @@ class JobRunner(RowWork):
                            progress.rows_failed - start.rows_failed,
                            self.engine.max_concurrency, wall)
         run["models_requested"] = dict(self.models_requested)
+        if self._first_prompt is not None:
+            index, ids = self._first_prompt
+            if self._first_text is None or self._first_text["index"] != index:
+                self._first_text = {"index": index, "text": self.engine.tokenizer.decode(
+                    ids[:FIRST_PROMPT_TOKENS])}
+            run["first_prompt"] = self._first_text
         run["speculation"] = rp.speculation_settings(self.engine.config)
         plan = getattr(self.engine, "weight_plan", None)
         run["weights"] = plan.to_dict() if plan is not None else None

@@ -156,7 +156,63 @@ def _bar(share: float, color: str = "#1f77b4") -> str:
 def _expected_section(expected: dict | None) -> str:
     if not expected:
         return ""
-    return f'<h2>Accuracy</h2><p>{html.escape(accuracy_text(expected))}</p>'
+    return (f'<h2>Accuracy</h2><p>{html.escape(accuracy_text(expected))}</p>'
+            + _confusion(expected.get("confusion") or [])
+            + _rows_table("Rows whose answer is not the expected one",
+                          expected.get("disagreeing") or [], expected=True))
+
+
+def _confusion(cells: list[dict]) -> str:
+    """Expected labels down, answers across: rows of each pair (the most common of each)."""
+    if not cells:
+        return ""
+    truths = list(dict.fromkeys(c["expected"] for c in cells))
+    answers = list(dict.fromkeys(c["answer"] for c in cells))
+    count = {(c["expected"], c["answer"]): c["rows"] for c in cells}
+    head = "".join(f'<th class="num">{html.escape(a)}</th>' for a in answers)
+    body = "".join(
+        f'<tr><td class="label">{html.escape(t)}</td>'
+        + "".join(f'<td class="num">{_cell(count.get((t, a)), t == a)}</td>' for a in answers)
+        + "</tr>" for t in truths)
+    return ('<p class="note">Expected (down) against answered (across), rows:</p>'
+            f'<table><tr><th></th>{head}</tr>{body}</table>')
+
+
+def _cell(n: int | None, diagonal: bool) -> str:
+    if not n:
+        return ""
+    return f"<b>{n:,}</b>" if diagonal else f"{n:,}"
+
+
+def _rows_table(title: str, rows: list[dict], expected: bool = False) -> str:
+    """A few rows with their answer and its probability (where the row was scored)."""
+    if not rows:
+        return ""
+    head = "<th>row</th>" + ("<th>expected</th>" if expected else "") + \
+        '<th>answer</th><th class="num">prob</th>'
+    body = "".join(
+        f"<tr><td>{html.escape(_where(r))}</td>"
+        + (f'<td class="label">{html.escape(str(r.get("expected")))}</td>' if expected else "")
+        + f'<td class="label">{html.escape(str(r.get("answer") or ""))}</td>'
+        + f'<td class="num">{_prob(r.get("prob"))}</td></tr>'
+        for r in rows)
+    return f'<h3>{html.escape(title)}</h3><table><tr>{head}</tr>{body}</table>'
+
+
+def _prob(p: float | None) -> str:
+    return "" if p is None else f"{p:.2f}"
+
+
+def _prompt_section(runs: list[dict]) -> str:
+    """The first row's prompt as the model saw it (the newest run's)."""
+    first = next((r["first_prompt"] for r in reversed(runs) if r.get("first_prompt")), None)
+    if not first:
+        return ""
+    text = first["text"]
+    cut = len(text) > PROMPT_SHOWN
+    return (f'<h2>The prompt</h2><p class="note">Row {first["index"] + 1:,}\'s, as the model '
+            f'sees it (after the chat template){", its start" if cut else ""}:</p>'
+            f'<pre class="prompt">{html.escape(text[:PROMPT_SHOWN])}{"…" if cut else ""}</pre>')
 
 
 def _labels_section(labels: dict | None) -> str:
@@ -193,7 +249,9 @@ def _labels_section(labels: dict | None) -> str:
     return (f'<h2>Labels</h2>{warn}<p>{"; ".join(notes)}.</p>'
             '<table><tr><th>label</th><th class="num">rows</th><th class="num">share</th>'
             '<th></th><th class="num">mean prob</th><th class="num">unsure</th></tr>'
-            f'{"".join(rows)}</table>{legend}')
+            f'{"".join(rows)}</table>{legend}'
+            + _rows_table("The first rows", labels.get("samples") or [])
+            + _rows_table("The least sure rows", labels.get("least_sure") or []))
 
 
 def _errors_section(codes: list[dict] | None, rows_failed: int) -> str:
@@ -327,6 +385,8 @@ def _figures_table(report: dict) -> str:
     return f"<table>{rows}</table>"
 
 
+PROMPT_SHOWN = 4000  # characters of the first row's prompt the report shows
+
 STYLE = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 24px auto; max-width: 860px;
        padding: 0 16px; color: #222; }
@@ -346,7 +406,9 @@ p.note, td.note { color: #777; } .key { color: #999; font-size: 12px; }
 .big { font-size: 26px; font-weight: 600; font-variant-numeric: tabular-nums; }
 .pair { display: flex; gap: 24px; } .pair > div { flex: 1; min-width: 0; }
 p.empty { color: #777; } table.runs td { white-space: nowrap; }
-p.warn { color: #a04000; font-weight: 600; }
+p.warn { color: #a04000; font-weight: 600; } h3 { font-size: 14px; margin-top: 18px; }
+pre.prompt { background: #f6f6f6; padding: 8px; white-space: pre-wrap; word-break: break-word;
+             max-height: 24em; overflow: auto; }
 """
 
 
@@ -356,6 +418,14 @@ def _over_time(runs: list[dict]) -> str:
         return '<p class="empty">No samples: no row reached the engine.</p>'
     return (_svg_chart(rate, "Generated tokens per second", "tok/s", "#1f77b4", starts)
             + _svg_chart(batch, "Running sequences", "batch size", "#d62728", starts))
+
+
+def _all_failed(report: dict) -> str:
+    """A job whose every row failed says so first: its figures measure nothing."""
+    if report["rows_done"] or not report["rows_failed"]:
+        return ""
+    return ('<p class="warn">Every row failed: no row has a result. The row errors below say '
+            'why; fix the input or the flags and run the job again with --restart.</p>')
 
 
 def render_html(report: dict) -> str:
@@ -369,17 +439,21 @@ def render_html(report: dict) -> str:
 <p class="sub">{html.escape(report['model'])} on {html.escape(report['device'])} ·
 {len(runs)} run{'s' if len(runs) != 1 else ''}, the last {html.escape(last)} ·
 batchrun {html.escape(report['batchrun_version'])}</p>
-<div class="cards">
+{_all_failed(report)}<div class="cards">
 <div><div class="big">{report['rows_done']:,} / {report['rows_total']:,}</div>rows done{
     f" ({failed:,} failed)" if failed else ""}</div>
+</div>
+{_prompt_section(runs)}
+{_labels_section(report.get('labels'))}{_expected_section(report.get('expected'))}
+{_errors_section(report.get('error_codes'), failed)}
+<h2>Throughput</h2>
+<div class="cards">
 <div><div class="big">{human_rate(report['completion_tokens_per_s'])}</div>generated tokens/s
 </div>
 <div><div class="big">{human_rate(report['requests_per_s'])}</div>rows/s</div>
 <div><div class="big">{human_seconds(report['wall_s'])}</div>wall time</div>
 <div><div class="big">{human_bytes(report['peak_memory_bytes'])}</div>peak memory</div>
 </div>
-{_labels_section(report.get('labels'))}{_expected_section(report.get('expected'))}
-{_errors_section(report.get('error_codes'), failed)}
 {_lengths_section(report.get('token_lengths'))}
 <h2>Over time</h2>
 {_over_time(report["runs"])}

@@ -22,6 +22,8 @@ from batchrun.job.state import DamagedFile, JobState, Progress, read_json
 log = logging.getLogger("batchrun")
 
 
+ROWS_SHOWN = 5  # sample, least sure and disagreeing rows the report lists
+CONFUSION_LABELS = 8  # expected labels and answers the confusion matrix has (the most rows)
 LOW_CONFIDENCE = 0.5  # a labeled row whose highest choice probability is below this is unsure
 # One label on at least this share of the labeled rows (of at least DOMINANT_MIN_ROWS, with two
 # labels or more to choose from) is said: a prompt or model that answers one label whatever the
@@ -131,6 +133,10 @@ class RecordTally:
     agreeing_rows: int = 0  # of them, those whose answer (its label, or its text) is it
     unlabeled_rows: int = 0  # results of a labeling job whose answer is no label
     codes: dict = field(default_factory=dict)  # code -> [rows, examples sorted by index]
+    samples: list = field(default_factory=list)  # (index, row): the first labeled rows
+    least_sure: list = field(default_factory=list)  # (top prob, index, row): the least sure
+    disagreeing: list = field(default_factory=list)  # (index, row): answers not the expected
+    confusion: Counter = field(default_factory=Counter)  # (expected, answer) -> rows
     prompt_lengths: Counter = field(default_factory=Counter)
     completion_lengths: Counter = field(default_factory=Counter)
 
@@ -151,22 +157,32 @@ class RecordTally:
         self.prompt_lengths[int(usage.get("prompt_tokens") or 0)] += 1
         self.completion_lengths[int(usage.get("completion_tokens") or 0)] += 1
         label = self._label_of(text, probs)
+        index = record.get("index") if isinstance(record.get("index"), int) else math.inf
+        top = max(probs.values()) if probs else None
+        row = {"index": record.get("index"), "custom_id": record.get("custom_id"),
+               "answer": label if label is not None else _short(text), "prob": top}
         expected = record.get("expected")
         if isinstance(expected, str):
             given = label if label is not None else text
             self.expected_rows += 1
-            self.agreeing_rows += given is not None and given.strip() == expected.strip()
+            agrees = given is not None and given.strip() == expected.strip()
+            self.agreeing_rows += agrees
+            self.confusion[(expected.strip(), _short(given.strip()) if given else "")] += 1
+            if not agrees:
+                _keep_first(self.disagreeing, (index, {**row, "expected": expected}))
         if label is None:
             if self.labels is not None:
                 self.unlabeled_rows += 1
             return
         self.label_rows[label] += 1
+        _keep_first(self.samples, (index, row))
         if probs:
             self.scored_rows += 1
             for choice, p in probs.items():
                 self.prob_sums[choice] += p
-            if max(probs.values()) < LOW_CONFIDENCE:
+            if top < LOW_CONFIDENCE:
                 self.label_low[label] += 1
+            _keep_first(self.least_sure, (top, index, row))
 
     def _label_of(self, text: str | None, probs: dict | None) -> str | None:
         if text is None:
@@ -207,8 +223,20 @@ class RecordTally:
         if self.expected_column is None and not self.expected_rows:
             return None
         rows = self.expected_rows
+        answers = Counter()
+        for (_, given), n in self.confusion.items():
+            answers[given] += n
+        shown = [a for a, _ in answers.most_common(CONFUSION_LABELS)]
+        truths = Counter()
+        for (truth, _), n in self.confusion.items():
+            truths[truth] += n
         return {"column": self.expected_column, "rows": rows, "agreeing_rows": self.agreeing_rows,
-                "accuracy": round(self.agreeing_rows / rows, 4) if rows else None}
+                "accuracy": round(self.agreeing_rows / rows, 4) if rows else None,
+                "disagreeing": [r for _, r in self.disagreeing],
+                "confusion": [{"expected": truth, "answer": given, "rows": n}
+                              for (truth, given), n in sorted(self.confusion.items())
+                              if given in shown and truth in dict(
+                                  truths.most_common(CONFUSION_LABELS))]}
 
     def _labels(self) -> dict | None:
         if self.labels is None and not self.label_rows:
@@ -229,6 +257,8 @@ class RecordTally:
             "scored_rows": scored,
             "low_confidence_below": LOW_CONFIDENCE,
             "low_confidence_rows": sum(self.label_low.values()),
+            "samples": [r for _, r in self.samples],
+            "least_sure": [r for _, _, r in self.least_sure],
             "per_label": [{"label": label, "rows": self.label_rows[label],
                            "mean_prob": round(self.prob_sums[label] / scored, 4)
                            if scored else None,
@@ -240,6 +270,24 @@ class RecordTally:
         ranked = sorted(self.codes.items(), key=lambda kv: (-kv[1][0], kv[0]))
         return [{"code": code, "rows": rows, "first": [example for _, example in examples]}
                 for code, (rows, examples) in ranked]
+
+
+def _keep_first(kept: list, item: tuple, most: int = None) -> None:
+    """Keep the `most` smallest items (by their leading keys) of those seen."""
+    most = ROWS_SHOWN if most is None else most
+    if len(kept) == most and item[:-1] >= kept[-1][:-1]:
+        return
+    kept.append(item)
+    kept.sort(key=lambda x: x[:-1])
+    del kept[most:]
+
+
+def _short(text: str | None, most: int = 80) -> str | None:
+    """An answer as the report shows it: one line, cut short."""
+    if text is None:
+        return None
+    line = " ".join(text.split())
+    return line if len(line) <= most else line[: most - 1] + "…"
 
 
 def histogram(counts: Counter) -> dict:
