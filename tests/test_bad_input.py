@@ -122,6 +122,29 @@ def test_fatal_problems_exit_1_with_a_hint_and_no_traceback(tmp_path):
         assert "Traceback" not in result.output
 
 
+def test_a_model_that_is_not_there_gets_how_to_get_one_and_the_models_there_are(
+        tmp_path, monkeypatch):
+    import shutil
+
+    from batchrun.models import DEMO_MODEL
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "hi"}\n')
+    (tmp_path / "models").mkdir()
+    shutil.copytree(DEMO_MODEL, tmp_path / "models" / "mine")
+    (tmp_path / "models" / "notes").mkdir()  # no model in it
+    (tmp_path / "hub" / "models--org--small-model").mkdir(parents=True)
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    result = invoke("run", rows, "--model", "./qwen", "--job-dir", tmp_path / "j", "--quiet")
+    assert result.exit_code == 1 and "model folder not found: ./qwen" in result.output
+    hint = result.output.splitlines()[1]
+    assert "huggingface-cli download" in hint and "mlx_lm.convert" in hint
+    assert hint.endswith("models here: models/mine, org/small-model")
+
+
 def test_a_missing_input_or_job_file_is_a_usage_error(tmp_path):
     for name, message in (("missing.jsonl", "input file not found"),
                           ("missing.toml", "job file not found")):

@@ -295,7 +295,11 @@ def test_ls_lists_job_folders_with_their_progress_and_skips_others(tmp_path, mon
     assert re.search(r"updated \d{4}-\d\d-\d\d \d\d:\d\d:\d\d", first)
     assert "not started" in fresh and "0 done, 0 failed of 3 (0%)" in fresh
     assert "2 done, 1 failed of 3" in second
-    assert "skipped jobs/notes: not a batchrun job folder" in result.stderr
+    assert "skipped 1 folder that is not a job folder (--verbose names it)" in result.stderr
+    assert "jobs/notes" not in result.stderr
+    verbose = invoke("ls", "--verbose")
+    assert "skipped jobs/notes: not a batchrun job folder" in verbose.stderr
+    assert verbose.stdout == result.stdout
     assert "skipped jobs/broken" in result.stderr and "job.json is damaged" in result.stderr
     assert "Traceback" not in result.output
     assert invoke("ls", "jobs/first").stdout.startswith("jobs/first ")  # a job folder itself

@@ -551,3 +551,24 @@ def test_sigterm_while_the_model_loads_stops_cleanly_with_exit_143(tmp_path):
     assert proc.returncode == 143, err
     assert err.startswith("stopped by SIGTERM") and "run the same command to resume" in err
     assert "Traceback" not in err and not (job / "results.jsonl").exists()
+
+
+def test_files_a_job_writes_take_their_mode_from_the_umask(tmp_path):
+    """Results, errors, reports, the Parquet output and the job's own files alike: what
+    `touch` would make under the user's umask (group-readable here, none for others)."""
+    import stat as st
+
+    rows = write_rows(tmp_path / "rows.jsonl", [{"prompt": "hi", "max_tokens": 2},
+                                                {"prompt": ""}])
+    old = os.umask(0o027)
+    try:
+        run(rows, "--job-dir", tmp_path / "job", "-o", tmp_path / "out.parquet")
+    finally:
+        os.umask(old)
+    written = [p for p in (tmp_path / "job").iterdir() if p.is_file() and p.name != "lock"]
+    written.append(tmp_path / "out.parquet")
+    names = {p.name for p in written}
+    assert {"results.jsonl", "errors.jsonl", "report.json", "report.html", "job.json",
+            "state.json", "out.parquet"} <= names
+    modes = {p.name: oct(st.S_IMODE(p.stat().st_mode)) for p in written}
+    assert set(modes.values()) == {oct(0o640)}, modes

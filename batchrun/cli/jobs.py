@@ -45,7 +45,9 @@ def status(job_dir: Path) -> None:
 @click.command("ls")
 @click.argument("directory", metavar="[DIR]", required=False,
                 type=click.Path(path_type=Path, exists=True, file_okay=False))
-def ls(directory: Path | None) -> None:
+@click.option("--verbose", "-v", is_flag=True,
+              help="also name each folder that is not a job folder")
+def ls(directory: Path | None, verbose: bool) -> None:
     """The job folders under DIR (default jobs/) with their progress, one line each."""
 
     from batchrun.job.listing import DEFAULT_JOBS_DIR, list_jobs
@@ -54,9 +56,14 @@ def ls(directory: Path | None) -> None:
     if directory is None and not root.is_dir():
         click.echo(f"no jobs: {root}/ does not exist here")
         return
-    jobs, notes = list_jobs(root)
+    others: list[Path] = []
+    jobs, notes = list_jobs(root, None if verbose else others)
     for note in notes:
         click.echo(note, err=True)
+    if others:
+        click.echo(f"skipped {len(others):,} folder{'s' if len(others) > 1 else ''} that "
+                   f"{'are' if len(others) > 1 else 'is'} not a job folder (--verbose names "
+                   f"{'them' if len(others) > 1 else 'it'})", err=True)
     if not jobs:
         click.echo(f"no job folders in {root}")
         return

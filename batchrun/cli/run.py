@@ -383,7 +383,7 @@ def _prepare(job, debug: bool, dry_run: bool = False) -> None:
     sampling defaults; bad options and models are one line."""
     from batchrun.api import MissingExtra
     from batchrun.job.errors import UsageError
-    from batchrun.models import DraftModelError, ModelError
+    from batchrun.models import DraftModelError, ModelError, model_hint
 
     _check_address_space()
     try:
@@ -400,13 +400,12 @@ def _prepare(job, debug: bool, dry_run: bool = False) -> None:
     except ModelError as e:
         if debug:
             raise
-        raise fail(str(e), "pass an mlx-lm model folder or a Hugging Face id with --model") \
-            from e
+        raise fail(str(e), model_hint()) from e
     except Exception as e:
         if debug:
             raise
         raise fail(f"could not load model {job.options.model or 'demo'!r}: {e}",
-                    "pass an mlx-lm model folder or a Hugging Face id with --model") from e
+                   model_hint()) from e
     o = job.options
     if o.ray.address and not dry_run:
         r = job.runner.ray_options

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import stat
-import tempfile
 from pathlib import Path
 from typing import BinaryIO
 
+# Files a job writes: read and write for all, less the umask (as any tool's `open` makes them)
+FILE_MODE = 0o666
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -26,7 +28,7 @@ class NotRegularFile(OSError):
 def write_atomic(path: Path, data: bytes) -> None:
     """Write temp, fsync, rename, fsync the folder: the file is old or new, never torn."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = temp_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -40,12 +42,24 @@ def write_atomic(path: Path, data: bytes) -> None:
     fsync_folder(path.parent)
 
 
-def create_new(path: Path, mode: int = 0o644) -> BinaryIO:
+def temp_beside(path: Path, suffix: str = ".tmp") -> tuple[int, str]:
+    """A new temporary file next to `path`, its mode as the umask makes it (mkstemp's is
+    always 0600: a report or output would not get the mode the job's other files get)."""
+    for _ in range(100):
+        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(6)}{suffix}")
+        try:
+            return os.open(tmp, _NEW, FILE_MODE), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {path}")
+
+
+def create_new(path: Path, mode: int = FILE_MODE) -> BinaryIO:
     """`path` created for writing; FileExistsError if the name is taken (a link included)."""
     return os.fdopen(os.open(path, _NEW, mode), "wb")
 
 
-def replace_new(path: Path, mode: int = 0o644) -> BinaryIO:
+def replace_new(path: Path, mode: int = FILE_MODE) -> BinaryIO:
     """`path` created anew for writing: a leftover of an earlier run (a file or a link of that
     name) is removed first, never written through."""
     with contextlib.suppress(FileNotFoundError):
@@ -57,7 +71,7 @@ def open_append(path: Path) -> BinaryIO:
     """`path` opened for appending (created if absent), never through a link; NotRegularFile
     if it is not a regular file."""
     try:
-        fd = os.open(path, _APPEND, 0o644)
+        fd = os.open(path, _APPEND, FILE_MODE)
     except OSError as e:
         if os.path.islink(path):
             raise NotRegularFile(e.errno, f"{path} is a symbolic link") from None

@@ -15,7 +15,6 @@ from __future__ import annotations
 import glob
 import os
 import stat
-import tempfile
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -25,7 +24,7 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrun.io.files import fsync_folder
+from batchrun.io.files import fsync_folder, temp_beside
 from batchrun.io.jsonl import InputError, read_jsonl
 from batchrun.io.parquet import BATCH_ROWS  # rows per row group: the most rows held at once
 from batchrun.io.readers import is_parquet
@@ -121,8 +120,7 @@ class ParquetOutput:
             self.tmp.unlink(missing_ok=True)
 
     def _open_writer(self) -> None:
-        fd, name = tempfile.mkstemp(dir=self.out.parent, prefix=f".{self.out.name}.",
-                                    suffix=PARTIAL)
+        fd, name = temp_beside(self.out, PARTIAL)  # the umask's mode, as the other files
         self.tmp = Path(name)
         self._tmp_file = os.fdopen(fd, "wb")
         self._writer = pq.ParquetWriter(self._tmp_file, self.schema)

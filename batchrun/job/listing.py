@@ -108,9 +108,11 @@ def read_job(job_dir: Path) -> JobSummary:
                       progress, total, status, pid, _updated(job_dir), report)
 
 
-def list_jobs(root: Path) -> tuple[list[JobSummary], list[str]]:
+def list_jobs(root: Path, others: list[Path] | None = None
+              ) -> tuple[list[JobSummary], list[str]]:
     """The job folders in `root` (or `root` itself if it is one), by name, and a note for each
-    folder skipped (not a job's, or damaged)."""
+    folder skipped (damaged, or a link); folders that are no job's go to `others` where it is
+    given (a count is enough to say of them), else get a note too."""
     root = Path(root)
     links: list[Path] = []
     if (root / "job.json").is_file():
@@ -131,7 +133,10 @@ def list_jobs(root: Path) -> tuple[list[JobSummary], list[str]]:
         try:
             jobs.append(read_job(folder))
         except NotAJob:
-            notes.append(f"skipped {folder}: not a batchrun job folder (no job.json)")
+            if others is not None:
+                others.append(folder)
+            else:
+                notes.append(f"skipped {folder}: not a batchrun job folder (no job.json)")
         except DamagedFile as e:
             notes.append(f"skipped {folder}: {e}")
         except (OSError, KeyError, TypeError, ValueError, AttributeError) as e:

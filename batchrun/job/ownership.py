@@ -25,6 +25,8 @@ from pathlib import Path
 
 import orjson
 
+from batchrun.io.files import FILE_MODE
+
 JOB_FILES = frozenset({"job.json", "state.json", "errors.jsonl", "spill.jsonl", "lock",
                        "report.json", "report.html"})
 # What a job writes into its folder besides the lock (which a start that stopped before job.json
@@ -74,7 +76,7 @@ def claim(output: Path, job_dir: Path) -> None:
     marker = marker_path(full(output))
     data = orjson.dumps({"job_dir": os.path.relpath(full(job_dir), marker.parent)})
     try:
-        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
     except FileExistsError:
         owner = read_owner(full(output))
         if owner != str(full(job_dir)):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import orjson
 
-from batchrun.io.files import write_atomic  # noqa: F401  (re-exported)
+from batchrun.io.files import FILE_MODE, write_atomic  # noqa: F401  (re-exported)
 
 
 class DamagedFile(Exception):
@@ -87,7 +87,7 @@ class JobLock:
         a regular file (never written through a link, never a FIFO)."""
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK,
-                         0o644)
+                         FILE_MODE)
         except OSError as e:
             raise DamagedFile(f"{self.path} cannot be opened ({e.strerror or e}): remove it, "
                               "then run the command again") from None

@@ -77,6 +77,49 @@ def extra_hint(extra: str) -> str:
     return f"pip install -e '.[{extra}]' in batchrun's folder"
 
 
+MODELS_LISTED = 5  # model folders (and cached hub ids) a hint names
+
+
+def model_hint(where: Path | None = None) -> str:
+    """What to do when --model cannot be loaded: how to get a model, and the model folders
+    (and Hugging Face ids in the local cache) there are to pass."""
+    found = [str(p) for p in _model_folders(Path(where or "."))][:MODELS_LISTED]
+    found += _cached_ids()[: MODELS_LISTED - len(found)]
+    get = ("pass --model with an mlx-lm model folder or a Hugging Face id; get one with "
+           "`huggingface-cli download mlx-community/Qwen3-0.6B-4bit --local-dir "
+           "models/qwen3`, or convert any Hugging Face model with `mlx_lm.convert --hf-path "
+           "ORG/NAME -q`")
+    return get + (f"; models here: {', '.join(found)}" if found else "")
+
+
+def _model_folders(root: Path) -> list[Path]:
+    """Folders in `root` and `root/models` that hold an mlx-lm model (links not followed)."""
+    found = []
+    for folder in (root, root / "models"):
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False) and not entry.name.startswith("."):
+                path = Path(entry.path)
+                if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+                    found.append(path)
+    return found
+
+
+def _cached_ids() -> list[str]:
+    """Hugging Face ids in the local hub cache (models--ORG--NAME folders)."""
+    try:
+        from huggingface_hub.constants import HF_HUB_CACHE
+
+        names = sorted(e.name for e in os.scandir(HF_HUB_CACHE)
+                       if e.name.startswith("models--") and e.is_dir(follow_symlinks=False))
+    except (ImportError, OSError):
+        return []
+    return [n[len("models--"):].replace("--", "/") for n in names]
+
+
 def check_local(path: str) -> None:
     """Clear errors for local folders, before mlx-lm treats a bad path as a hub id."""
     p = Path(path).expanduser()
