@@ -320,3 +320,18 @@ def test_a_gpu_jobs_warm_up_changes_no_result_or_report_figure(rows_file, tmp_pa
     fields = ("rows_done", "rows_failed", "prompt_tokens", "cached_prompt_tokens",
               "completion_tokens")
     assert [b[f] for f in fields] == [a[f] for f in fields]
+
+
+def test_the_bars_figures_say_what_they_count():
+    """`batch 1` beside 250 rows still to run read as a stall: each figure is named, and
+    rows queued for the batch are counted apart from those in it."""
+    from types import SimpleNamespace
+
+    from batchrun.job.runner import JobRunner
+
+    runner = SimpleNamespace(engine=SimpleNamespace(generated_tokens=3000, num_running=1,
+                                                    num_waiting=250))
+    text = JobRunner._rates(runner, 2.0, SimpleNamespace(held=4))
+    assert text == "1,500 tok/s, 1 in batch, 250 queued, 4 done ahead"
+    runner.engine.num_waiting = 0
+    assert JobRunner._rates(runner, 2.0, SimpleNamespace(held=0)) == "1,500 tok/s, 1 in batch"

@@ -466,11 +466,16 @@ class JobRunner(RowWork):
             self._parquet.advance(pending.progress.next_index)
 
     def _rates(self, elapsed: float, sink: OrderedSink) -> str:
-        """The bar's figures: generated tokens a second, rows running, and rows finished ahead
-        of an earlier row (safe on disk, written to the output once the earlier rows are)."""
+        """The bar's figures, each named: generated tokens a second, rows in the batch, rows
+        queued for it (waiting for room: memory, the prefill's token budget), and rows
+        finished ahead of an earlier row (safe on disk, written to the output once the earlier
+        rows are)."""
         tokens = self.engine.generated_tokens
+        waiting = self.engine.num_waiting
+        queued = f", {waiting:,} queued" if waiting else ""
         ahead = f", {sink.held:,} done ahead" if sink.held else ""
-        return f"{tokens / elapsed:,.0f} tok/s, batch {self.engine.num_running}{ahead}"
+        return (f"{tokens / elapsed:,.0f} tok/s, {self.engine.num_running:,} in batch"
+                f"{queued}{ahead}")
 
 
 def finished(sink: OrderedSink) -> int:
