@@ -7,6 +7,7 @@ from pathlib import Path
 import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -105,7 +106,6 @@ def test_fatal_problems_exit_1_with_a_hint_and_no_traceback(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("x")
     cases = [
-        (["run", empty, "--job-dir", tmp_path / "j1"], "has no rows"),
         (["run", rows, "--model", tmp_path / "nope", "--job-dir", tmp_path / "j2"],
          "model folder not found"),
         (["run", rows, "--model", not_a_model, "--job-dir", tmp_path / "j3"],
@@ -120,6 +120,32 @@ def test_fatal_problems_exit_1_with_a_hint_and_no_traceback(tmp_path):
         assert result.exit_code == 1, (args, result.output)
         assert message in result.output, (args, result.output)
         assert "Traceback" not in result.output
+
+
+def test_an_empty_input_is_exit_0_with_an_empty_output_and_a_warning(tmp_path):
+    """As vLLM's run-batch does: nothing to run is no failure."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    for out in (tmp_path / "out.jsonl", tmp_path / "out.parquet"):
+        result = invoke("run", empty, "--job-dir", tmp_path / f"job-{out.suffix[1:]}", "-o", out,
+                        "--quiet")
+        assert result.exit_code == 0, result.output
+        assert "warning: " in result.output and "has no rows: nothing to run" in result.output
+        assert out.is_file()
+    assert (tmp_path / "out.jsonl").read_bytes() == b""
+    assert pq.read_table(tmp_path / "out.parquet").num_rows == 0
+    dry = invoke("run", empty, "--dry-run")
+    assert dry.exit_code == 0 and "has no rows: nothing to run" in dry.output
+
+
+@pytest.mark.parametrize("url", ["https://example.com/out.jsonl", "s3://bucket/out.parquet"])
+def test_an_output_url_is_a_usage_error_not_a_local_folder(tmp_path, url, monkeypatch):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "hi"}\n')
+    monkeypatch.chdir(tmp_path)
+    result = invoke("run", rows, "--job-dir", tmp_path / "job", "-o", url, "--quiet")
+    assert result.exit_code == 2 and "not URLs" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.jsonl"]
 
 
 def test_a_model_that_is_not_there_gets_how_to_get_one_and_the_models_there_are(

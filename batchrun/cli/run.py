@@ -154,6 +154,25 @@ def _saved_output(input_path: Path, job_dir: Path | None, from_stdin: bool) -> P
         return None
 
 
+def _empty_output(spec) -> bool:
+    """An empty input's output: an empty file where none is (never through a link; a file
+    already there is left as it is). Whether one was written."""
+    from batchrun.io.files import create_new
+
+    try:
+        spec.output.parent.mkdir(parents=True, exist_ok=True)
+        with create_new(spec.output) as f:
+            if spec.parquet_output:
+                import pyarrow as pa
+                import pyarrow.parquet as pq
+
+                pq.write_table(pa.table({"text": pa.array([], pa.string()),
+                                         "error": pa.array([], pa.string())}), f)
+    except OSError:
+        return False
+    return True
+
+
 def _print_results(results: Path) -> None:
     """The job's result lines, in input order, on stdout."""
     import shutil
@@ -197,7 +216,7 @@ def _run(ctx: click.Context, input_path: Path, opts: dict, spooled: list[Path],
 
     from batchrun.api import Job
     from batchrun.job import report as rp
-    from batchrun.job.errors import Interrupted, JobError, UsageError
+    from batchrun.job.errors import EmptyInput, Interrupted, JobError, UsageError
 
     try:
         job = Job(input_path, **opts)
@@ -209,6 +228,11 @@ def _run(ctx: click.Context, input_path: Path, opts: dict, spooled: list[Path],
                    err=True)
     try:
         job.check()  # before the model loads
+    except EmptyInput as e:
+        written = _empty_output(spec)
+        click.echo(f"warning: {e}: nothing to run" + (f"; {spec.output} is empty" if written
+                                                       else ""), err=True)
+        return 0, spec
     except JobError as e:
         raise fail(str(e), code=e.exit_code) from None
     if from_stdin:
@@ -337,7 +361,7 @@ def _dry_run(input_path: Path, opts: dict, debug: bool) -> str:
 def _dry_run_file(input_path: Path, opts: dict, debug: bool) -> str:
     from batchrun.api import Job
     from batchrun.io.jsonl import InputError
-    from batchrun.job.errors import JobError, UsageError
+    from batchrun.job.errors import EmptyInput, JobError, UsageError
     from batchrun.job.spec import check_template_columns
 
     try:
@@ -346,6 +370,8 @@ def _dry_run_file(input_path: Path, opts: dict, debug: bool) -> str:
         check_template_columns(job.spec)
     except UsageError as e:
         raise click.UsageError(str(e)) from None
+    except EmptyInput as e:
+        return f"{e}: nothing to run"
     except JobError as e:
         raise fail(str(e), code=e.exit_code) from None
     _prepare(job, debug, dry_run=True)

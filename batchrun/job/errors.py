@@ -17,6 +17,12 @@ class JobError(Exception):
     exit_code = 1
 
 
+class EmptyInput(JobError):
+    """The input holds no rows: nothing to run (exit 0, an empty output and a warning)."""
+
+    exit_code = 0
+
+
 class InputMismatch(JobError):
     """An option the input cannot serve, found in its first rows (exit 2, as a usage error)."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,8 @@ GENERATION_CONFIG_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k
 STDIN = "-"  # the input name for rows read from stdin
 INPUT_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".ndjson.gz", ".parquet", ".csv", ".tsv",
                   ".csv.gz", ".tsv.gz")
+# https://, s3:// (a path option's value arrives with its // made one /): not a local path
+URL_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+:/")
 # Output suffixes that promise a format batchrun does not write (anything else is JSONL).
 OTHER_FORMATS = frozenset({".gz", ".bz2", ".xz", ".zst", ".zip", ".csv", ".tsv", ".json",
                            ".xlsx", ".arrow", ".feather"})
@@ -196,6 +199,9 @@ def plan(input_path: Path, o: RunOptions):
         raise UsageError(str(e)) from None
     job_dir = Path(o.io.job_dir) if o.io.job_dir else default_job_dir(input_path)
     _check_job_dir_path(job_dir)
+    if o.io.output is not None and URL_SCHEME.match(str(o.io.output)):
+        raise UsageError(f"-o {o.io.output}: batchrun writes local files, not URLs; write a "
+                         "local file and copy it from there")
     output = Path(o.io.output) if o.io.output else job_dir / "results.jsonl"
     if output.suffix.lower() in OTHER_FORMATS:
         raise UsageError(f"-o {output}: batchrun writes JSONL (.jsonl) or Parquet (.parquet), "

@@ -20,7 +20,7 @@ from batchrun.io.jsonl import InputError
 from batchrun.io.readers import count_rows, input_format, read_rows
 from batchrun.job import manifest as mf
 from batchrun.job import ownership
-from batchrun.job.errors import InputMismatch, JobConflict, JobError
+from batchrun.job.errors import EmptyInput, InputMismatch, JobConflict, JobError
 from batchrun.job.rows import RowOptions, is_openai_line, template_fields
 from batchrun.job.state import DamagedFile
 
@@ -54,7 +54,7 @@ class JobSpec:
                 raise JobError(str(e)) from None
             if self._rows_total == 0:
                 header_only = input_format(self.input) in ("csv", "tsv")
-                raise JobError(f"{self.input} has no rows" + (
+                raise EmptyInput(f"{self.input} has no rows" + (
                     " under its header row (a JSONL file? pass --format jsonl)"
                     if header_only else ""))
         return self._rows_total
