@@ -109,7 +109,7 @@ def test_reasoning_and_tool_calls_get_their_own_fields(demo):
     assert raw["text"] == "<think>ab</think>c" and "reasoning" not in raw  # no template
 
 
-def test_openai_chat_bodies_carry_reasoning_content_and_tool_calls(demo):
+def test_openai_chat_bodies_carry_reasoning_and_tool_calls(demo):
     think = record(demo, openai_chat("think"), "<think>hmm</think>yes")
     call = record(demo, openai_chat("call", tools=TOOLS), CALL)
     none = record(demo, openai_chat("none", tools=TOOLS, tool_choice="none"), CALL)
@@ -118,7 +118,7 @@ def test_openai_chat_bodies_carry_reasoning_content_and_tool_calls(demo):
         ChatCompletion.model_validate(body)
         assert body["model"] == "demo"  # the model that answered, not the one asked for
     think, call, none = (line["response"]["body"]["choices"][0] for line in (think, call, none))
-    assert think["message"]["content"] == "yes" and think["message"]["reasoning_content"] == "hmm"
+    assert think["message"]["content"] == "yes" and think["message"]["reasoning"] == "hmm"
     assert call["finish_reason"] == "tool_calls" and call["message"]["content"] is None
     (tool_call,) = call["message"]["tool_calls"]
     assert tool_call["type"] == "function" and tool_call["id"].startswith("call_")

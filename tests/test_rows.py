@@ -60,6 +60,14 @@ def test_openai_batch_lines(prompts):
     assert completion.openai == "completion"
     bad = task({"custom_id": "req-3", "url": "/v1/embeddings", "body": {}}, prompts)
     assert isinstance(bad, RowError) and bad.code == "unsupported_url"
+    # OpenAI's batch lines are POSTs matched to results by their custom_id
+    get = task({"custom_id": "req-4", "method": "GET", "url": "/v1/completions",
+                "body": {"prompt": "Once"}}, prompts)
+    assert isinstance(get, RowError) and get.code == "invalid_field" and "POST" in get.message
+    anonymous = task({"method": "POST", "url": "/v1/completions", "body": {"prompt": "Once"}},
+                     prompts)
+    assert isinstance(anonymous, RowError) and anonymous.code == "missing_custom_id"
+    assert anonymous.openai
 
 
 def test_row_fields_override_defaults(prompts):

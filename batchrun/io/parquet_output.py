@@ -354,7 +354,7 @@ def flat_result(r: dict) -> dict:
         samples = [(c.get("message") or {}).get("content", c.get("text")) for c in choices] \
             if len(choices) > 1 else None
         message = choice.get("message") or {}
-        reasoning = message.get("reasoning_content")
+        reasoning = message.get("reasoning", message.get("reasoning_content"))
         calls = [c.get("function") for c in message.get("tool_calls") or []] or None
     else:
         text, finish, usage = r.get("text"), r.get("finish_reason"), r.get("usage") or {}

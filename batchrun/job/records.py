@@ -139,7 +139,7 @@ def openai_record(task: Task, outs: list[Output], model: str, created: int,
             reasoning, content, calls = answer_parts(task, out, markup)
             message = {"role": "assistant", "content": content or (None if calls else "")}
             if reasoning is not None:
-                message["reasoning_content"] = reasoning
+                message["reasoning"] = reasoning  # the name vLLM gives it
             if calls:
                 message["tool_calls"] = [
                     {"id": f"call_{_hash_id(key, i, j)}", "type": "function",

@@ -213,6 +213,12 @@ def _build(value: Any, index: int, line: int, custom_id: str, prompts: PromptBui
         if openai is None:
             raise RowRejected("unsupported_url", f"url must be one of {', '.join(OPENAI_URLS)}, "
                                                  f"got {url!r}")
+        method = value.get("method", "POST")
+        if method != "POST":
+            raise RowRejected("invalid_field", f"method must be POST, got {method!r}")
+        if value.get("custom_id") is None:
+            # OpenAI's batch files need one: results are matched to requests by it
+            raise RowRejected("missing_custom_id", "the line has no custom_id")
         body = value.get("body")
         if not isinstance(body, dict):
             raise RowRejected("invalid_row", "body must be an object")
