@@ -34,7 +34,8 @@ def test_rows_are_read_with_quoted_newlines_typed_columns_and_bad_records(tmp_pa
     assert [r.line for r in rows] == [2, 3, 4, 5]  # a spreadsheet's row numbers
     assert rows[0].value == {"id": "007", "review": "Great, really\ngood", "stars": 5,
                              "verified": True}
-    assert rows[1].value is None and rows[1].code == "invalid_row"
+    assert rows[1].code == "invalid_row"
+    assert rows[1].value["id"] == "8"  # its fields, for its error record's id
     assert rows[1].error == "record 3 has 5 fields where the header has 4"
     assert rows[2].value == {"id": "9", "review": 'Awful "value"', "stars": 1,
                              "verified": False}
@@ -69,7 +70,7 @@ def test_a_csv_job_gives_each_row_one_result_or_error_and_goes_on(tmp_path):
     assert [r["custom_id"] for r in results] == ["007", "9", "10"]
     assert [r["columns"] for r in results] == [{"stars": 5}, {"stars": 1}, {"stars": None}]
     (error,) = errors
-    assert error["index"] == 1 and error["line"] == 3
+    assert error["index"] == 1 and error["line"] == 3 and error["custom_id"] == "8"
     assert error["error"]["code"] == "invalid_row" and "record 3" in error["error"]["message"]
 
 
@@ -99,3 +100,16 @@ def test_a_template_column_the_csv_lacks_is_refused_before_the_model_loads(tmp_p
                  code=2)
     assert "text" in result.output and "review" in result.output and "stars" in result.output
     assert not (tmp_path / "job" / "results.jsonl").exists()
+
+
+def test_a_csv_job_writes_parquet_with_every_row_and_column(tmp_path):
+    path = write(tmp_path / "reviews.csv", REVIEWS)
+    out = tmp_path / "labels.parquet"
+    run(path, "--job-dir", tmp_path / "job", "--prompt-template", "Review: {review}",
+        "-o", out, "--max-tokens", "2")
+    table = pq.read_table(out)
+    assert table.num_rows == 4
+    assert table.column("id").to_pylist() == ["007", None, "9", "10"]
+    assert table.schema.field("stars").type == pa.int64()
+    assert table.column("stars").to_pylist() == [5, None, 1, None]
+    assert [e is None for e in table.column("error").to_pylist()] == [True, False, True, True]

@@ -16,6 +16,8 @@ A row's `line` is its record's number as a spreadsheet shows it (the header is 1
 from __future__ import annotations
 
 import contextlib
+import csv
+import io
 import math
 import os
 import re
@@ -48,14 +50,14 @@ def _reading(path: Path, fmt: str):
             from None
 
 
-def _records(path: Path, fmt: str, bad: list[tuple[int, str]]) -> Iterator[pa.RecordBatch]:
+def _records(path: Path, fmt: str, bad: list[tuple]) -> Iterator[pa.RecordBatch]:
     """The file's record batches, every column as bytes; records with the wrong number of
-    fields are skipped into `bad` as (record number, reason)."""
+    fields are skipped into `bad` as (record number, reason, their fields by name)."""
     def invalid(row) -> str:
         # a number is always known to a reader on one thread; -1 keeps the row counted
         number = row.number if row.number is not None else -1
         bad.append((number, f"has {row.actual_columns} fields where the header has "
-                            f"{row.expected_columns}"))
+                            f"{row.expected_columns}", _salvaged(row.text, names, fmt)))
         return "skip"
 
     with pa.input_stream(str(path), compression="detect") as stream:
@@ -128,7 +130,7 @@ def count_delimited(path: str | Path, fmt: str) -> int:
     with _reading(path, fmt):
         if _empty(path):
             return 0
-        bad: list[tuple[int, str]] = []
+        bad: list[tuple] = []
         rows = sum(batch.num_rows for batch in _records(path, fmt, bad))
         return rows + len(bad)
 
@@ -140,7 +142,7 @@ def read_delimited(path: str | Path, fmt: str, start: int = 0) -> Iterator[RawRo
     kinds = column_kinds(path, fmt)
     if not kinds:
         return
-    bad: list[tuple[int, str]] = []
+    bad: list[tuple] = []
     index = 0
     with _reading(path, fmt):
         for batch in _records(path, fmt, bad):
@@ -153,17 +155,27 @@ def read_delimited(path: str | Path, fmt: str, start: int = 0) -> Iterator[RawRo
         yield from _bad_before(bad, index, start, len(kinds), every=True)
 
 
-def _bad_before(bad: list[tuple[int, str]], index: int, start: int, columns: int,
+def _bad_before(bad: list[tuple], index: int, start: int, columns: int,
                 every: bool = False):
     """Error rows for the skipped records numbered before row `index` (all of them with
     `every`); returns the index past them."""
-    bad.sort()
+    bad.sort(key=lambda entry: entry[0])
     while bad and (every or bad[0][0] - 2 <= index):
-        number, reason = bad.pop(0)
+        number, reason, fields = bad.pop(0)
         if index >= start:
-            yield RawRow(index, number, None, f"record {number} {reason}", "invalid_row")
+            yield RawRow(index, number, fields, f"record {number} {reason}", "invalid_row")
         index += 1
     return index
+
+
+def _salvaged(text: str, names: list[str], fmt: str) -> dict[str, str] | None:
+    """A bad record's fields by the header's names, as text (for its error record's id: a
+    row's id column read as the good rows' are), or None if even that fails."""
+    try:
+        fields = next(csv.reader(io.StringIO(text), delimiter=DELIMITERS[fmt]), [])
+    except (csv.Error, ValueError):
+        return None
+    return {name: value for name, value in zip(names, fields, strict=False)}
 
 
 def _row(index: int, names: list[str], values: tuple, kinds: dict[str, str]) -> RawRow:

@@ -25,9 +25,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrun.io.files import fsync_folder, temp_beside
-from batchrun.io.jsonl import InputError, read_jsonl
+from batchrun.io.jsonl import InputError
 from batchrun.io.parquet import BATCH_ROWS  # rows per row group: the most rows held at once
-from batchrun.io.readers import is_parquet
+from batchrun.io.readers import is_parquet, read_rows
 
 RESULT_COLUMNS = (
     ("text", pa.string()),
@@ -192,16 +192,17 @@ class _ParquetRows:
 
 
 class _JsonlRows:
-    """JSONL input as tables of the pre-scanned schema. A line that is not a JSON object
-    (invalid JSON, a list, a number...) is a row of nulls."""
+    """JSONL (or CSV, TSV) input as tables of the pre-scanned schema. A line that is not a
+    JSON object (invalid JSON, a list, a number...), or a record that cannot be a row, is a row
+    of nulls."""
 
     def __init__(self, path: Path):
         self.path = path
         self.schema = scan_jsonl_schema(path)
-        self._rows = read_jsonl(path)
+        self._rows = read_rows(path)
 
     def take(self, n: int) -> pa.Table:
-        rows = [r.value if type(r.value) is dict else {} for r in islice(self._rows, n)]
+        rows = [_row_value(r) for r in islice(self._rows, n)]
         arrays = []
         for f in self.schema:
             values = [row.get(f.name) for row in rows]
@@ -238,15 +239,21 @@ class _Seen:
         return pa.string()
 
 
+def _row_value(raw) -> dict:
+    """A row's columns: none for a line that is not an object, nor for a CSV record that
+    could not be a row (the fields read of it name its error record, they are not data)."""
+    if type(raw.value) is not dict or (raw.error is not None and raw.code == "invalid_row"):
+        return {}
+    return raw.value
+
+
 def scan_jsonl_schema(path: Path) -> pa.Schema:
     """Every column of any row, in order of first appearance, each with the one Arrow type
     that holds all its values; streams the file, keeping only per-column facts."""
     columns: dict[str, _Seen] = {}
     try:
-        for raw in read_jsonl(path):
-            if type(raw.value) is not dict:
-                continue
-            for name, v in raw.value.items():
+        for raw in read_rows(path):
+            for name, v in _row_value(raw).items():
                 seen = columns.get(name)
                 if seen is None:
                     seen = columns[name] = _Seen()
