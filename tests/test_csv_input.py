@@ -113,3 +113,19 @@ def test_a_csv_job_writes_parquet_with_every_row_and_column(tmp_path):
     assert table.schema.field("stars").type == pa.int64()
     assert table.column("stars").to_pylist() == [5, None, 1, None]
     assert [e is None for e in table.column("error").to_pylist()] == [True, False, True, True]
+
+
+@pytest.mark.parametrize("flag", ["--keep-columns", "--expected-column"])
+def test_a_column_flag_naming_no_column_is_refused_before_the_model_loads(tmp_path, flag):
+    path = write(tmp_path / "reviews.csv", REVIEWS)
+    result = run(path, "--job-dir", tmp_path / "job", "--prompt-template", "Review: {review}",
+                 flag, "strs", code=2)
+    assert f"{flag} names column 'strs'" in result.output and "'stars'" in result.output
+    assert not (tmp_path / "job" / "results.jsonl").exists()
+
+
+def test_csv_on_stdin_without_format_is_refused_naming_it(tmp_path):
+    result = CliRunner().invoke(cli, ["run", "-", "--job-dir", str(tmp_path / "job"), "--quiet",
+                                      "--prompt-template", "Review: {review}"], input=REVIEWS)
+    assert result.exit_code == 2, result.output
+    assert "reads like a CSV header: pass --format csv" in result.output

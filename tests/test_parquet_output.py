@@ -384,9 +384,15 @@ def test_keep_columns_copies_input_columns_into_jsonl_results(tmp_path):
     pq.write_table(table, data)
     job = tmp_path / "job"
     run(data, "--job-dir", job, "--prompt-template", "Review: {review}", "--max-tokens", "2",
-        "--keep-columns", "score,missing")
-    assert [r["columns"] for r in jsonl(job / "results.jsonl")] == [
-        {"score": 1, "missing": None}, {"score": 2, "missing": None}]
+        "--keep-columns", "score")
+    assert [r["columns"] for r in jsonl(job / "results.jsonl")] == [{"score": 1}, {"score": 2}]
+    # a column some rows lack is null in theirs (one no row has is refused: a typo)
+    sparse = tmp_path / "sparse.jsonl"
+    sparse.write_text('{"review": "fine", "extra": 1}\n{"review": "bad"}\n')
+    run(sparse, "--job-dir", tmp_path / "sparse", "--prompt-template", "Review: {review}",
+        "--max-tokens", "2", "--keep-columns", "extra")
+    assert [r["columns"] for r in jsonl(tmp_path / "sparse" / "results.jsonl")] == [
+        {"extra": 1}, {"extra": None}]
     every = tmp_path / "every"
     run(data, "--job-dir", every, "--prompt-template", "Review: {review}", "--max-tokens", "2",
         "--keep-columns", "all")

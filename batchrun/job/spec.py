@@ -21,7 +21,7 @@ from batchrun.io.readers import count_rows, input_format, read_rows
 from batchrun.job import manifest as mf
 from batchrun.job import ownership
 from batchrun.job.errors import EmptyInput, InputMismatch, JobConflict, JobError
-from batchrun.job.rows import RowOptions, is_openai_line, template_fields
+from batchrun.job.rows import ALL_COLUMNS, RowOptions, is_openai_line, template_fields
 from batchrun.job.state import DamagedFile
 
 
@@ -269,20 +269,27 @@ def check_template_columns(spec: JobSpec) -> None:
     needed = list(dict.fromkeys(c for _, c in template_fields(template or "")))
     whole = spec.rows_total <= TEMPLATE_SAMPLE
     seen: dict[str, None] = {}
-    filled = 0
+    filled = unreadable = 0
+    has_prompts = False
     try:
         for raw in itertools.islice(read_rows(spec.input, 0, spec.rows.limits.row_bytes),
                                     TEMPLATE_SAMPLE):
             row = raw.value
             if raw.error is not None or not isinstance(row, dict):
                 whole = False  # a row in error: not a question of columns
+                unreadable += raw.code == "invalid_json"
                 continue
-            if is_openai_line(row) or "prompt" in row or "messages" in row:
-                return
-            filled += 1
             seen.update(dict.fromkeys(row))
+            if is_openai_line(row) or "prompt" in row or "messages" in row:
+                has_prompts = True
+                continue
+            filled += 1
     except InputError:
         return  # said as the input's own problem, elsewhere
+    _check_not_delimited(spec, unreadable, filled or has_prompts)
+    _check_named_columns(spec, seen, whole)
+    if has_prompts:
+        return
     names = [_column_name(c) for c in seen]
     there = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
     # A CSV header that is a JSON object: a JSONL file read as CSV
@@ -308,6 +315,42 @@ def check_template_columns(spec: JobSpec) -> None:
         f"--prompt-template names column{'s' if len(missing) > 1 else ''} "
         f"{', '.join(_column_name(c) for c in missing)}, which the {rows} not have; columns "
         f"there: {there or 'none'}{hint or jsonl_hint}")
+
+
+def _check_not_delimited(spec: JobSpec, unreadable: int, readable: bool) -> None:
+    """Rows read as JSONL none of which is JSON, the first line like a CSV or TSV header (rows
+    piped to stdin carry no suffix): refused, naming --format."""
+    if readable or not unreadable or input_format(spec.input) != "jsonl":
+        return
+    try:
+        with open(spec.input, "rb") as f:
+            first = f.readline(4096)
+    except OSError:
+        return
+    delimiter = "tsv" if b"\t" in first else "csv" if b"," in first else None
+    if delimiter is None or first.lstrip().startswith((b"{", b"[")):
+        return
+    raise InputMismatch(f"the input's rows are not JSON; its first line reads like a "
+                        f"{delimiter.upper()} header: pass --format {delimiter}")
+
+
+def _check_named_columns(spec: JobSpec, seen: dict[str, None], whole: bool) -> None:
+    """--keep-columns and --expected-column naming a column none of the first rows has
+    (where any row had columns): refused, listing the columns there are."""
+    if not seen:
+        return
+    named = [(flag, c) for flag, cols in (("--keep-columns", spec.rows.keep_columns),
+                                          ("--expected-column", (spec.rows.expected_column,)))
+             if cols != ALL_COLUMNS for c in cols if c]
+    missing = [(flag, c) for flag, c in named if c not in seen]
+    if not missing:
+        return
+    names = [_column_name(c) for c in seen]
+    there = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+    rows = "input's rows" if whole else f"input's first {TEMPLATE_SAMPLE:,} rows"
+    flag, column = missing[0]
+    raise InputMismatch(f"{flag} names column {_column_name(column)}, which the {rows} do not "
+                        f"have; columns there: {there}")
 
 
 def _column_name(name: str, limit: int = 40) -> str:
