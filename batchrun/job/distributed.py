@@ -253,7 +253,8 @@ class _StatsView:
     def generated_tokens(self) -> int:
         return self.stats.completion_tokens
 
-    num_running = 0
+    num_running = 0  # the actors' batches are theirs: the bar shows none
+    num_waiting = 0
 
 
 class RayJobRunner(JobRunner):
