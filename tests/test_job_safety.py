@@ -572,3 +572,24 @@ def test_files_a_job_writes_take_their_mode_from_the_umask(tmp_path):
             "state.json", "out.parquet"} <= names
     modes = {p.name: oct(st.S_IMODE(p.stat().st_mode)) for p in written}
     assert set(modes.values()) == {oct(0o640)}, modes
+
+
+def test_a_stop_that_comes_after_the_last_row_stops_nothing(tmp_path, monkeypatch):
+    """Ctrl-C a moment after the last row finished: the job is complete (exit 0), not an
+    interrupted one to resume."""
+    from batchrun.job.runner import JobRunner
+
+    real = JobRunner._loop
+
+    def loop_then_stop(self, *args):
+        done = real(self, *args)
+        self._interrupted = signal.SIGINT  # as the handler sets it
+        return done
+
+    monkeypatch.setattr(JobRunner, "_loop", loop_then_stop)
+    rows = write_rows(tmp_path / "rows.jsonl", [{"prompt": "hi", "max_tokens": 2}] * 3)
+    job = tmp_path / "job"
+    run(rows, "--job-dir", job)
+    assert line_count(job / "results.jsonl") == 3
+    report = orjson.loads((job / "report.json").read_bytes())
+    assert report["runs"][-1]["status"] == "completed"

@@ -78,8 +78,12 @@ def run(ctx: click.Context, input_path: Path, **opts) -> None:
         signum = e.signum if isinstance(e, Terminated) else signal.SIGINT
         how = "interrupted" if signum == signal.SIGINT else \
             f"stopped by {signal.Signals(signum).name}"
-        click.echo(f"{how}: progress so far is kept; run the same command to resume "
-                   f"({resume_command(sys.argv[2:], *spooled[:1])})", err=True)
+        if _job_begun(input_path, opts):
+            click.echo(f"{how}: progress so far is kept; run the same command to resume "
+                       f"({resume_command(sys.argv[2:], *spooled[:1])})", err=True)
+        else:
+            click.echo(f"{how} before the job began (nothing was written); run the same "
+                       f"command to start it", err=True)
         ctx.exit(128 + signum)
     finally:
         if main_thread:
@@ -138,6 +142,20 @@ def _stdout_to_stderr(enabled: bool) -> Iterator[None]:
         if saved is not None:
             os.dup2(saved, 1)
             os.close(saved)
+
+
+def _job_begun(input_path: Path, opts: dict) -> bool:
+    """Whether the job folder holds a job (its job.json): there is progress to resume."""
+    from batchrun.job.spec import default_job_dir
+
+    job_dir = opts.get("job_dir")
+    if job_dir is None and _is_dash(input_path):
+        return False
+    folder = Path(job_dir) if job_dir else default_job_dir(Path(input_path))
+    try:
+        return (folder / "job.json").is_file()
+    except OSError:
+        return False
 
 
 def _saved_output(input_path: Path, job_dir: Path | None, from_stdin: bool) -> Path | None:

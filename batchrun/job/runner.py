@@ -320,9 +320,10 @@ class JobRunner(RowWork):
         if main_thread:  # both stop the job after a last commit
             previous = {s: signal.signal(s, self._on_signal)
                         for s in stop_signals(STOP_SIGNALS)}
+        done = False  # every row done: a stop that comes after the last one stops nothing
         try:
-            self._loop(progress, sink, bar, tick)
-            if self._interrupted:
+            done = self._loop(progress, sink, bar, tick)
+            if self._interrupted and not done:
                 status = "interrupted"
         except BaseException:
             status = "failed"
@@ -337,14 +338,15 @@ class JobRunner(RowWork):
             finally:
                 self._commit(sink, runs, started, time.perf_counter() - t0, status)
                 sink.close()
-        if self._interrupted:
+        if self._interrupted and not done:
             raise Interrupted(self._interrupted)
         if self._parquet is not None:
             self._parquet.finish()
         return self.report
 
-    def _loop(self, progress: Progress, sink: OrderedSink, bar, tick) -> None:
-        """Feed rows to the engine and write what it finishes until every row is done."""
+    def _loop(self, progress: Progress, sink: OrderedSink, bar, tick) -> bool:
+        """Feed rows to the engine and write what it finishes until every row is done (True)
+        or the job is stopped (False)."""
         engine = self.engine
         target = engine.max_concurrency + (engine.config.prefill_batch_size or 8)
         feeder = Feeder(self.pending_rows(progress.next_index), self._build_task,
@@ -359,10 +361,11 @@ class JobRunner(RowWork):
                                         timeout=COMMIT_INTERVAL_S / 10):  # tick, see Ctrl-C
                     self._submit(item, sink, bar)
                 if not engine.has_work() and feeder.exhausted:
-                    break
+                    return True
                 for out in engine.step():
                     self._finish(out, sink, bar)
                 tick()
+            return False
         finally:
             feeder.close()
 
