@@ -335,3 +335,16 @@ def test_the_bars_figures_say_what_they_count():
     assert text == "1,500 tok/s, 1 in batch, 250 queued, 4 done ahead"
     runner.engine.num_waiting = 0
     assert JobRunner._rates(runner, 2.0, SimpleNamespace(held=0)) == "1,500 tok/s, 1 in batch"
+
+
+def test_the_report_command_prints_what_status_prints_of_the_records(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in [
+        {"prompt": "Review: great", "expected": "good"}, {"prompt": "Review: awful"},
+        {"prompt": ""}]))
+    job = tmp_path / "job"
+    run(rows, "--job-dir", job, "--choices", "good,bad", "--expected-column", "expected",
+        code=0)
+    status, report = invoke("status", job).output, invoke("report", job).output
+    for line in ("labels:", "accuracy:", "row errors:"):
+        assert line in status and line in report, line

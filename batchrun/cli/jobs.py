@@ -94,12 +94,13 @@ def report(job_dir: Path) -> None:
         raise fail(f"{job_dir} has no state.json", "resume the job with batchrun run")
     fresh = rp.build_report(manifest, progress, saved["rows_total"], saved["runs"],
                             saved["device"])
-    click.echo(rp.summary_text(fresh))
-    try:
+    try:  # the records' figures (labels, accuracy, errors) first: the summary prints them
         rp.write_report(job_dir, fresh)
     except OSError as e:
+        click.echo(rp.summary_text(fresh))
         raise fail(f"report.json and report.html in {job_dir} could not be rewritten: "
                     f"{e.strerror or e}", "the figures above are current") from None
+    click.echo(rp.summary_text(fresh))
     click.echo(f"report:     {job_dir / 'report.html'}")
 
 
