@@ -266,6 +266,9 @@ def test_labels_are_counted_against_the_expected_answers(tmp_path):
         (1, "pos", "neg")]
     assert {(c["expected"], c["answer"]): c["rows"] for c in expected["confusion"]} == {
         ("pos", "pos"): 2, ("pos", "neg"): 1, ("neg", "neg"): 1}
+    # the job's labels are the axes, a label never answered (neu) a column of zeros
+    assert expected["confusion_axes"] == {"expected": ["pos", "neg"],
+                                          "answer": ["pos", "neg", "neu"]}
     page = (job / "report.html").read_text()
     assert "Expected (down) against answered (across)" in page
     assert "Rows whose answer is not the expected one" in page

@@ -157,17 +157,17 @@ def _expected_section(expected: dict | None) -> str:
     if not expected:
         return ""
     return (f'<h2>Accuracy</h2><p>{html.escape(accuracy_text(expected))}</p>'
-            + _confusion(expected.get("confusion") or [])
+            + _confusion(expected.get("confusion") or [], expected.get("confusion_axes"))
             + _rows_table("Rows whose answer is not the expected one",
                           expected.get("disagreeing") or [], expected=True))
 
 
-def _confusion(cells: list[dict]) -> str:
+def _confusion(cells: list[dict], axes: dict | None = None) -> str:
     """Expected labels down, answers across: rows of each pair (the most common of each)."""
     if not cells:
         return ""
-    truths = list(dict.fromkeys(c["expected"] for c in cells))
-    answers = list(dict.fromkeys(c["answer"] for c in cells))
+    truths = (axes or {}).get("expected") or list(dict.fromkeys(c["expected"] for c in cells))
+    answers = (axes or {}).get("answer") or list(dict.fromkeys(c["answer"] for c in cells))
     count = {(c["expected"], c["answer"]): c["rows"] for c in cells}
     head = "".join(f'<th class="num">{html.escape(a)}</th>' for a in answers)
     body = "".join(
@@ -179,8 +179,7 @@ def _confusion(cells: list[dict]) -> str:
 
 
 def _cell(n: int | None, diagonal: bool) -> str:
-    if not n:
-        return ""
+    n = n or 0
     return f"<b>{n:,}</b>" if diagonal else f"{n:,}"
 
 
@@ -268,7 +267,8 @@ def _errors_section(codes: list[dict] | None, rows_failed: int) -> str:
         rows.append(f'<tr><td><code>{html.escape(e["code"])}</code></td>'
                     f'<td class="num">{e["rows"]:,}</td><td>{html.escape(where)}</td>'
                     f'<td class="message">{html.escape(message)}</td></tr>')
-    return (f"<h2>Row errors</h2><p>{rows_failed:,} rows have an error record "
+    have = "row has" if rows_failed == 1 else "rows have"
+    return (f"<h2>Row errors</h2><p>{rows_failed:,} {have} an error record "
             "(errors.jsonl).</p><table><tr><th>code</th><th class=\"num\">rows</th>"
             f"<th>first rows</th><th>first message</th></tr>{''.join(rows)}</table>")
 

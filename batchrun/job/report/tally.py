@@ -223,20 +223,24 @@ class RecordTally:
         if self.expected_column is None and not self.expected_rows:
             return None
         rows = self.expected_rows
-        answers = Counter()
-        for (_, given), n in self.confusion.items():
+        answers, truths = Counter(), Counter()
+        for (truth, given), n in self.confusion.items():
             answers[given] += n
-        shown = [a for a, _ in answers.most_common(CONFUSION_LABELS)]
-        truths = Counter()
-        for (truth, _), n in self.confusion.items():
             truths[truth] += n
+        declared = list(self.labels or [])
+        # The job's labels first (one never answered is a column of zeros), then the rest by
+        # rows; the eight first of each.
+        answer_axis = [*declared, *(a for a, _ in answers.most_common() if a not in declared)]
+        truth_axis = [*(t for t in declared if t in truths),
+                      *(t for t, _ in truths.most_common() if t not in declared)]
+        answer_axis, truth_axis = answer_axis[:CONFUSION_LABELS], truth_axis[:CONFUSION_LABELS]
         return {"column": self.expected_column, "rows": rows, "agreeing_rows": self.agreeing_rows,
                 "accuracy": round(self.agreeing_rows / rows, 4) if rows else None,
                 "disagreeing": [r for _, r in self.disagreeing],
+                "confusion_axes": {"expected": truth_axis, "answer": answer_axis},
                 "confusion": [{"expected": truth, "answer": given, "rows": n}
                               for (truth, given), n in sorted(self.confusion.items())
-                              if given in shown and truth in dict(
-                                  truths.most_common(CONFUSION_LABELS))]}
+                              if given in answer_axis and truth in truth_axis]}
 
     def _labels(self) -> dict | None:
         if self.labels is None and not self.label_rows:
