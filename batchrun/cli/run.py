@@ -484,9 +484,11 @@ def describe_dry_run(found) -> str:
              f"prompt tokens: {found.prompt_tokens:,}"
              + (f" ({found.prompt_tokens / max(1, found.rows - found.row_errors):,.1f} a row)"
                 if found.rows > found.row_errors else ""),
-             f"shared prefix: {found.shared_tokens:,} prompt tokens "
-             f"({100 * found.shared_share:.1f}%) start {found.sharing_rows:,} rows with blocks "
-             "another row already has: a prefix cache computes them once",
+             (f"shared prefix: {found.shared_tokens:,} prompt tokens "
+              f"({100 * found.shared_share:.1f}%), at the start of {found.sharing_rows:,} rows, "
+              "are blocks another row already has: the prefix cache computes them once"
+              if found.sharing_rows else
+              "shared prefix: none (no row starts with a block of tokens another row has)"),
              f"new tokens:    at most {found.max_new_tokens:,} (the rows' max_tokens)"]
     if found.estimate_s is None:
         lines.append("estimate:      none (no row to probe)")
