@@ -357,9 +357,9 @@ def test_dry_run_counts_rows_tokens_and_the_shared_prefix_and_writes_nothing(tmp
     assert f"prompt tokens: {sum(map(len, ids)):,}" in out
     shared = sum(len(_common(ids[i], ids[:i])) // 64 * 64 for i in range(1, 10))
     assert shared > 0
-    assert f"shared prefix: {shared:,} prompt tokens ({100 * shared / sum(map(len, ids)):.1f}%)" \
+    assert f"shared prefix: {shared:,} prompt tokens ({100 * shared / sum(map(len, ids)):.1f}%), " \
         in out
-    assert "start 9 rows" in out and "at most 50" in out
+    assert "at the start of 9 rows" in out and "at most 50" in out
     assert re.search(r"estimate: +about [\d.]+ (ms|s) on this machine "
                      r"\(an estimate: 8 rows probed", out)
     # The real run's prompt tokens are what the dry run counted.
