@@ -79,3 +79,21 @@ def test_text_parts_are_flattened_and_images_refused(demo):
 def test_bad_messages_name_the_field(demo, messages, field):
     with pytest.raises(PromptError, match=field):
         PromptBuilder(demo.tokenizer).render(messages)
+
+
+def test_a_replayed_tool_calls_json_arguments_reach_the_template_as_a_mapping():
+    """OpenAI sends an earlier call's arguments as a JSON string; templates that write
+    `arguments | tojson` need the mapping, or they render JSON inside a JSON string."""
+    from batchrun.engine.backends.prompt import normalize_messages
+
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    odd = {"id": "c2", "type": "function", "function": {"name": "f", "arguments": "not json"}}
+    listed = {"id": "c3", "type": "function", "function": {"name": "g", "arguments": "[1]"}}
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [call, odd, listed]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    calls = normalize_messages(messages)[1]["tool_calls"]
+    assert calls[0]["function"] == {"name": "weather", "arguments": {"city": "Paris"}}
+    assert calls[0]["id"] == "c1" and calls[1] == odd and calls[2] == listed
+    assert call["function"]["arguments"] == '{"city": "Paris"}'  # the row itself untouched

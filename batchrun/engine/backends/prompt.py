@@ -7,6 +7,7 @@ one); chat messages go through the model's chat template with tools, `chat_templ
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from batchrun.engine.backends.tokens import Encoder, SharedStarts
@@ -81,8 +82,29 @@ def normalize_messages(messages: Any) -> list[dict]:
             raise PromptError(f"messages[{i}].content must be a string or a list of parts")
         if content is None and not m.get("tool_calls"):
             raise PromptError(f"messages[{i}].content is missing")
-        out.append({**m, "content": content if content is not None else ""})
+        message = {**m, "content": content if content is not None else ""}
+        if isinstance(m.get("tool_calls"), list):
+            message["tool_calls"] = [_call_with_mapping(c) for c in m["tool_calls"]]
+        out.append(message)
     return out
+
+
+def _call_with_mapping(call: Any) -> Any:
+    """An assistant's earlier tool call with its arguments as a mapping: OpenAI sends them as
+    a JSON string, and templates that write `arguments | tojson` (Qwen's, Llama's) would
+    render a string of JSON inside the JSON. Arguments that are not a JSON object stay as
+    given."""
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return call
+    if not isinstance(parsed, dict):
+        return call
+    return {**call, "function": {**function, "arguments": parsed}}
 
 
 def _flatten_parts(parts: list, i: int) -> str:
