@@ -41,6 +41,9 @@
 #   hybridfix: the gated-delta decode step kernel against mlx-lm's rule
 #          (probe_gated_delta_step.py), then qwen3_5's labeling (batchrun cold/warm, the peer)
 #          and its decode against batch_generate, and with the kernel off.
+#   recheck: the short form of hybridfix and choices for a call with little device time: the
+#          kernel probe, qwen3_5's labeling (batchrun only), then the decode job with kept
+#          prompts (batchrun only; the figure to read against dec-nokeep's).
 #   hybridprof: where qwen3_5's labeling job spends its time: the labeling rows run cold and
 #          warm through scripts/trace_job.py (a line an engine step and prefill call) with the
 #          job loop under cProfile; the trace and the profile's top functions go under $OUT.
@@ -326,6 +329,17 @@ hybridfix() {
   BATCHRUN_GATED_DELTA_KERNEL=0 decode hybridfix qwen35-nokernel "$q" batchrun
 }
 
+recheck() {
+  local q=$W/models/qwen35-bf16 b=$W/models/qwen3-bf16
+  item recheck probe-gated-delta-step 60 20 $PY scripts/probe_gated_delta_step.py \
+    "$OUT/gated-delta-step" --rows 128,1024
+  builds recheck qwen35-bf16 qwen3_5 none qwen3-bf16 qwen3 none || return 1
+  prime recheck qwen35-bf16 "$q"
+  labeling recheck qwen35-bf16 "$q" batchrun
+  prime recheck bf16 "$b"
+  decode recheck keep "$b" batchrun
+}
+
 hybridprof() {
   local q=$W/models/qwen35-bf16 d=$W/prof
   build qwen35-bf16 qwen3_5 none || return 1
@@ -356,9 +370,9 @@ s.sort_stats('cumulative').print_stats(45)" >"$OUT/prof-$run.txt" 2>&1
 
 for phase in "$@"; do
   case $phase in
-    dense|moe|probe|moedecode|agree|sliding|hybrid|choices|hybridfix|hybridprof) ;;
+    dense|moe|probe|moedecode|agree|sliding|hybrid|choices|hybridfix|recheck|hybridprof) ;;
     *) echo "unknown phase $phase (dense, moe, probe, moedecode, agree, sliding, hybrid," \
-         "choices, hybridfix, hybridprof)" >&2
+         "choices, hybridfix, recheck, hybridprof)" >&2
        exit 2 ;;
   esac
   {
