@@ -296,9 +296,11 @@ class Job:
 
     def results(self) -> Iterator[dict]:
         """Every row's record in input order: its result, or its error record."""
+        from batchrun.io.readers import read_rows
         from batchrun.job.recovery import ordered_records
 
-        yield from ordered_records(self.spec.results_path, self.spec.errors_path)
+        rows = read_rows(self.spec.input, 0, self.spec.rows.limits.row_bytes)
+        yield from ordered_records(self.spec.results_path, self.spec.errors_path, rows)
 
     def status(self) -> dict:
         """Progress so far: report.json's figures with state.json's counts (the durable rows,

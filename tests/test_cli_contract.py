@@ -576,10 +576,12 @@ def test_openai_batch_output_validates_with_openai_python(tmp_path):
     assert len(comp.choices[0].logprobs.tokens) == comp.usage.completion_tokens
     errors = jsonl(job / "errors.jsonl")
     assert [e["custom_id"] for e in errors] == ["bad-url", "bad-body", "bad-field"]
-    for e in errors:
+    for i, e in enumerate(errors, start=5):
+        # exactly OpenAI's error-file line: no other keys, BatchError's fields strictly
+        assert set(e) == {"id", "custom_id", "response", "error"}
         assert e["response"] is None and e["id"].startswith("batch_req_")
         assert isinstance(e["error"]["code"], str) and isinstance(e["error"]["message"], str)
-        BatchError.model_validate({**e["error"], "line": e["line"]})
+        assert BatchError.model_validate(e["error"], strict=True).line == i
     assert [e["error"]["code"] for e in errors] == ["unsupported_url", "missing_prompt",
                                                     "unsupported_field"]
 
@@ -645,8 +647,9 @@ def test_a_resume_drops_damaged_earlier_runs_and_rewrites_the_report(tmp_path):
 
 def test_a_stdin_job_that_never_began_keeps_no_spool(tmp_path):
     job = tmp_path / "job"
-    assert invoke("run", "-", "--job-dir", job, "--quiet", input="").exit_code == 1  # no rows
+    assert invoke("run", "-", "--job-dir", job, "--quiet", input="").exit_code == 0  # no rows
     assert not (job / "stdin.jsonl").exists()
+    (job / "results.jsonl").unlink()  # the empty input's empty output
     data = jsonl_text(rows_of(2))
     result = invoke("run", "-", "--job-dir", job, "--quiet", "--model", tmp_path / "nowhere",
                     input=data)

@@ -252,8 +252,12 @@ def test_openai_batch_input_gives_openai_batch_output(tmp_path):
     assert isinstance(comp["response"]["body"]["choices"][0]["text"], str)
     assert comp["response"]["body"]["usage"]["completion_tokens"] <= 4
     (error,) = jsonl(tmp_path / "job" / "errors.jsonl")
+    # exactly a line of OpenAI's batch error file: BatchError's fields, the line inside
+    assert set(error) == {"id", "custom_id", "response", "error"}
+    assert error["id"].startswith("batch_req_") and error["response"] is None
     assert error["custom_id"] == "bad-1" and error["error"]["code"] == "unsupported_url"
-    assert error["line"] == 3
+    assert set(error["error"]) == {"code", "message", "param", "line"}
+    assert error["error"]["line"] == 3 and error["error"]["param"] is None
 
 
 def test_job_file_in_jobs_folder_labels_the_sample_reviews(tmp_path):

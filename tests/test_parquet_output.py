@@ -402,3 +402,26 @@ def test_keep_columns_copies_input_columns_into_jsonl_results(tmp_path):
     refused = run(data, "--job-dir", job, "--prompt-template", "Review: {review}",
                   "--max-tokens", "2", "--keep-columns", "id", code=2)
     assert "--keep-columns" in refused.output
+
+
+def test_openai_error_lines_land_on_their_rows_in_parquet_output_and_results(tmp_path):
+    """OpenAI's error lines carry no index, only their input line (blank lines counted):
+    the Parquet output and the ordered records still put each on its own row."""
+    from batchrun.io.readers import read_rows
+    from batchrun.job.recovery import ordered_records
+
+    def line(i, url="/v1/completions"):
+        return orjson.dumps({"custom_id": f"c{i}", "method": "POST", "url": url,
+                             "body": {"prompt": f"row {i}", "max_tokens": 2}}).decode()
+
+    data = tmp_path / "batch.jsonl"
+    data.write_text("\n".join([line(0), "", line(1, "/v1/embeddings"), line(2), "not json",
+                               line(4)]) + "\n")
+    out, job = tmp_path / "out.parquet", tmp_path / "job"
+    run(data, "--job-dir", job, "-o", out)
+    errors = [e is not None for e in pq.read_table(out).column("error").to_pylist()]
+    assert errors == [False, True, False, True, False]
+    merged = list(ordered_records(job / "results.jsonl", job / "errors.jsonl",
+                                  read_rows(data)))
+    assert [r["custom_id"] for r in merged] == ["c0", "c1", "c2", "3", "c4"]
+    assert [r["response"] is None for r in merged] == errors

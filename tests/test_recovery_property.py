@@ -22,7 +22,12 @@ class Out:  # the token counts a sink reads from an engine output
 
 
 def record(i: int) -> tuple[bytes, bool]:
-    """Row i's line: every fifth row is an error, every third result is OpenAI-shaped."""
+    """Row i's line: every fifth row is an error, every other one OpenAI-shaped (no index: its
+    input line inside `error`), and every third result is OpenAI-shaped."""
+    if i % 10 == 9:
+        return orjson.dumps({"id": f"e{i}", "custom_id": f"r{i}", "response": None,
+                             "error": {"code": "x", "message": "m", "param": None,
+                                       "line": i + 1}}) + b"\n", True
     if i % 5 == 4:
         return orjson.dumps({"custom_id": f"r{i}", "index": i, "line": i + 1,
                              "error": {"code": "x", "message": "m"}}) + b"\n", True

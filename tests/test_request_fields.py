@@ -140,11 +140,17 @@ def test_every_openai_rows_error_has_the_batch_error_file_shape(tmp_path):
     run(write_rows(tmp_path / "rows.jsonl", rows), "--job-dir", job, code=1)  # all 5 failed
     errors = jsonl(job / "errors.jsonl")
     assert len(errors) == 5
-    for record in errors[:4]:
-        assert set(record) == {"id", "custom_id", "index", "line", "response", "error"}
+    for i, record in enumerate(errors[:4]):
+        assert set(record) == {"id", "custom_id", "response", "error"}
         assert record["response"] is None and record["id"].startswith("batch_req_")
-        assert set(record["error"]) == {"code", "message"}
+        assert record["error"] == {**record["error"], "param": None, "line": i + 1}
+        assert set(record["error"]) == {"code", "message", "param", "line"}
     assert set(errors[4]) == {"custom_id", "index", "line", "error"}  # not a batch line
+    # error ids are the job's own: the same rows in another job get other ids
+    other = tmp_path / "other"
+    run(tmp_path / "rows.jsonl", "--job-dir", other, code=1)
+    assert not {e.get("id") for e in errors[:4]} & {e.get("id") for e in jsonl(
+        other / "errors.jsonl")}
 
 
 def test_the_report_counts_the_models_rows_asked_for_and_bodies_name_the_one_that_answered(

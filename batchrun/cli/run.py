@@ -247,6 +247,7 @@ def _run(ctx: click.Context, input_path: Path, opts: dict, spooled: list[Path],
     try:
         job.check()  # before the model loads
     except EmptyInput as e:
+        job.discard_spool()  # nothing on stdin: nothing kept
         written = _empty_output(spec)
         click.echo(f"warning: {e}: nothing to run" + (f"; {spec.output} is empty" if written
                                                        else ""), err=True)

@@ -28,6 +28,7 @@ from batchrun.io.files import fsync_folder, temp_beside
 from batchrun.io.jsonl import InputError
 from batchrun.io.parquet import BATCH_ROWS  # rows per row group: the most rows held at once
 from batchrun.io.readers import is_parquet, read_rows
+from batchrun.job.records import record_line
 
 RESULT_COLUMNS = (
     ("text", pa.string()),
@@ -132,7 +133,7 @@ class ParquetOutput:
         rows = self._input.take(BATCH_ROWS)
         if rows.num_rows == 0:
             return 0
-        records = self._records.take(rows.num_rows)
+        records = self._records.take(rows.num_rows, getattr(self._input, "lines", None))
         results = [pa.array([r.get(name) for r in records], type_)
                    for name, type_ in OUTPUT_COLUMNS]
         table = pa.Table.from_arrays([*rows.columns, *results], schema=self.schema)
@@ -202,7 +203,9 @@ class _JsonlRows:
         self._rows = read_rows(path)
 
     def take(self, n: int) -> pa.Table:
-        rows = [_row_value(r) for r in islice(self._rows, n)]
+        raws = list(islice(self._rows, n))
+        self.lines = [r.line for r in raws]  # where OpenAI's error lines name their rows
+        rows = [_row_value(r) for r in raws]
         arrays = []
         for f in self.schema:
             values = [row.get(f.name) for row in rows]
@@ -320,18 +323,22 @@ class _CommittedRecords:
         self._next_error: dict | None = None
         self.index = 0  # the next row to take
 
-    def take(self, n: int) -> list[dict]:
+    def take(self, n: int, lines: list[int] | None = None) -> list[dict]:
+        """The next n rows' records; `lines`, the rows' input lines, place error records
+        that name a line instead of an index (OpenAI's)."""
         out = []
         with self._results, self._errors:
-            for _ in range(n):
-                out.append(self._next())
+            for i in range(n):
+                out.append(self._next(lines[i] if lines is not None else None))
                 self.index += 1
         return out
 
-    def _next(self) -> dict:
+    def _next(self, line: int | None = None) -> dict:
         if self._next_error is None:
             self._next_error = self._errors.next()
         e = self._next_error
+        if e is not None and "index" not in e and line is not None:
+            e = {**e, "index": self.index if record_line(e) == line else self.index + 1}
         if e is not None and e.get("index") == self.index:
             self._next_error = None
             return {"error": f"{e['error']['code']}: {e['error']['message']}"}

@@ -113,7 +113,7 @@ class SliceWorker(RowWork):
     """
 
     def __init__(self, model: str | None, config: EngineConfig, row_options, model_name: str,
-                 created: int, vision: bool):
+                 created: int, vision: bool, job_id: str | None = None):
         import batchrun  # noqa: F401  (the BLAS routing, before MLX, in this worker too)
         from batchrun.engine.load import load_engine
 
@@ -128,6 +128,7 @@ class SliceWorker(RowWork):
                                                check_constraint=self.engine.check_constraint)
         self.model_name = model_name
         self.created = created
+        self.job_id = job_id
         self._init_work()
         self._inbox: queue.Queue[_SliceJob] = queue.Queue()
         self._sink = _RoutingSink()
@@ -335,7 +336,8 @@ class RayJobRunner(JobRunner):
                                  max_restarts=0, max_concurrency=self.in_flight)(SliceWorker)
         row_options = dataclasses.replace(self.spec.rows, check_constraint=None, images=None)
         actors = [actor_class.remote(self.model, self.config, row_options, self.model_name,
-                                     self.created, self.vision) for _ in range(opts.actors)]
+                                     self.created, self.vision, self.job_id)
+                  for _ in range(opts.actors)]
         self.workers = [WorkerFigures(i) for i in range(opts.actors)]
         live = set(range(opts.actors))
         load: dict[int, int] = {i: 0 for i in live}

@@ -4,6 +4,7 @@ resumes the same job or would mix two different ones into one output."""
 from __future__ import annotations
 
 import hashlib
+import secrets
 import time
 from pathlib import Path
 
@@ -31,6 +32,7 @@ def new_manifest(input_fp: dict, model: str, model_path: str, model_fp: str, opt
     return {
         "batchrun_version": batchrun.__version__,
         "created": int(time.time()),
+        "job_id": secrets.token_hex(8),  # the job's own, kept on resume: its records' ids
         "input": input_fp,
         "model": {"name": model, "path": model_path, "fingerprint": model_fp},
         "options": options,

@@ -171,14 +171,26 @@ def openai_record(task: Task, outs: list[Output], model: str, created: int,
     return record
 
 
-def error_record(error: RowError, openai: bool = False) -> dict:
-    record = {
+def error_record(error: RowError, openai: bool = False, job: object = 0) -> dict:
+    """A row's error record: batchrun's own, or for an OpenAI batch job exactly a line of
+    OpenAI's batch error file (its `BatchError` fields, the input line inside `error`; the id
+    the job's own, from `job`)."""
+    if openai:
+        return {"id": f"batch_req_{_hash_id('error', job, error.index, error.custom_id)}",
+                "custom_id": error.custom_id, "response": None,
+                "error": {"code": error.code, "message": error.message, "param": None,
+                          "line": error.line}}
+    return {
         "custom_id": error.custom_id,
         "index": error.index,
         "line": error.line,
         "error": {"code": error.code, "message": error.message},
     }
-    if openai:  # also a valid line of an OpenAI batch error file
-        record = {"id": f"batch_req_{_hash_id('error', error.index, error.custom_id)}",
-                  **record, "response": None}
-    return record
+
+
+def record_line(record: dict) -> int | None:
+    """The input line an error record names: top level in batchrun's, in `error` in OpenAI's."""
+    line = record.get("line")
+    if line is None and isinstance(record.get("error"), dict):
+        line = record["error"].get("line")
+    return line if type(line) is int else None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ import orjson
 
 from batchrun.io.files import open_append
 from batchrun.io.jsonl import RawRow
+from batchrun.job.records import record_line
 from batchrun.job.sink import Record
 from batchrun.job.state import DIGESTS, DamagedFile, JobState, Progress
 
@@ -73,7 +75,7 @@ def recover(state: JobState, rows: Iterator[RawRow], expected_id: Callable[[RawR
             break
         want_id = expected_id(raw)
         if in_order:
-            record = _next_in_order(raw.index, want_id, results, errors)
+            record = _next_in_order(raw, want_id, results, errors)
             if record is not None:
                 spill.pop(raw.index, None)  # spilled, then written in order: no longer needed
                 _count(progress, record)
@@ -82,7 +84,7 @@ def recover(state: JobState, rows: Iterator[RawRow], expected_id: Callable[[RawR
                 continue
             in_order = False
         found = spill.pop(raw.index, None)
-        if found is not None and _names_row(found.line, raw.index, want_id):
+        if found is not None and _names_row(found.line, raw, want_id):
             kept[raw.index] = found
             _count(progress, found)
             on_done(raw)
@@ -144,27 +146,31 @@ class _Lines:
             self._f = None
 
 
-def _next_in_order(index: int, want_id: str, results: _Lines, errors: _Lines) -> Record | None:
-    """Row `index`'s record if it is next in the errors or results file."""
+def _next_in_order(raw: RawRow, want_id: str, results: _Lines, errors: _Lines
+                   ) -> Record | None:
+    """The row's record if it is next in the errors or results file."""
     for lines, is_error in ((errors, True), (results, False)):
         line = lines.peek()
-        if line is not None and _names_row(line, index, want_id, needs_index=is_error):
+        if line is not None and _names_row(line, raw, want_id, is_error=is_error):
             lines.take()
-            return Record(index, line, is_error, (0, 0, 0) if is_error else _tokens(line))
+            return Record(raw.index, line, is_error, (0, 0, 0) if is_error else _tokens(line))
     return None
 
 
-def _names_row(line: bytes, index: int, want_id: str, needs_index: bool = False) -> bool:
-    """A whole record of row `index`: valid JSON, its id, and its index where it has one
-    (OpenAI result lines have none; error records always do)."""
+def _names_row(line: bytes, raw: RawRow, want_id: str, is_error: bool = False) -> bool:
+    """A whole record of the row: valid JSON, its id, and its index where it has one, else for
+    an error record its input line (OpenAI's error lines carry the line, in `error`; its result
+    lines neither: one whose id is the row's is its, in order)."""
     try:
         d = orjson.loads(line)
     except orjson.JSONDecodeError:
         return False
     if not isinstance(d, dict) or d.get("custom_id") != want_id:
         return False
-    if "index" in d or needs_index:
-        return d.get("index") == index
+    if "index" in d:
+        return d.get("index") == raw.index
+    if is_error or "response" in d and d.get("response") is None:
+        return record_line(d) == raw.line
     return True
 
 
@@ -270,22 +276,30 @@ def _difference(saved: Progress, found: Progress) -> str:
     return f"state.json disagreed with the files ({changed})"
 
 
-def ordered_records(results: Path, errors: Path) -> Iterator[dict]:
+def ordered_records(results: Path, errors: Path, rows: Iterator[RawRow] | None = None
+                    ) -> Iterator[dict]:
     """Every written row's record in input order, merging the ordered results and errors
-    files (an error record names its row's index; the rows between are results)."""
+    files: an error record names its row's index, or (OpenAI's error lines) its input line,
+    matched against the input's `rows` as they go by; the rows between are results."""
     res, err = _records(results), _records(errors)
     pending_error = next(err, None)
-    index = 0
-    while True:
-        if pending_error is not None and pending_error.get("index") == index:
+    positions = ((raw.index, raw.line) for raw in rows) if rows is not None else \
+        ((i, None) for i in itertools.count())
+    for index, line in positions:
+        if pending_error is not None and _is_row(pending_error, index, line):
             yield pending_error
             pending_error = next(err, None)
-        else:
-            record = next(res, None)
-            if record is None:
-                return
-            yield record
-        index += 1
+            continue
+        record = next(res, None)
+        if record is None:
+            return
+        yield record
+
+
+def _is_row(error: dict, index: int, line: int | None) -> bool:
+    if "index" in error:
+        return error["index"] == index
+    return line is not None and record_line(error) == line
 
 
 def _records(path: Path) -> Iterator[dict]:

@@ -120,7 +120,9 @@ class RowError:
     custom_id: str
     code: str
     message: str
-    openai: bool = False  # an OpenAI batch line: its record takes the batch error-file shape
+    # an OpenAI batch line: its record takes the batch error-file shape (None: a row nothing
+    # of which could be read takes the shape of the input's rows)
+    openai: bool | None = False
 
 
 def is_openai_line(value: Any) -> bool:
@@ -178,8 +180,10 @@ def row_id(value: Any, index: int, id_column: str | None) -> str:
 
 def read_error(raw: RawRow, id_column: str | None) -> RowError:
     """The error record of a row that could not be read (not JSON, too long, too deep)."""
+    # a row with nothing readable (not JSON) is of the job's shape, whatever that is: None
+    shape = is_openai_line(raw.value) if isinstance(raw.value, dict) else None
     return RowError(raw.index, raw.line, row_id(raw.value, raw.index, id_column), raw.code,
-                    raw.error or "", is_openai_line(raw.value))
+                    raw.error or "", shape)
 
 
 def build_task(raw_value: Any, index: int, line: int, prompts: PromptBuilder,

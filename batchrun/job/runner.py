@@ -48,7 +48,7 @@ from batchrun.job.rows import (
     row_id,
 )
 from batchrun.job.sink import OrderedSink, PendingCommit, Record, make_durable
-from batchrun.job.spec import JobSpec, check_paths, check_same_job, saved_manifest
+from batchrun.job.spec import JobSpec, check_paths, check_same_job, input_is_openai, saved_manifest
 from batchrun.job.state import DamagedFile, JobLock, JobState, Progress
 
 log = logging.getLogger("batchrun")
@@ -79,6 +79,9 @@ class RowWork:
     row_options: RowOptions
     model_name: str
     created: int
+    # The input is an OpenAI batch file: a row that cannot be read gets that file's error shape
+    openai_input: bool = False
+    job_id: str | None = None  # the job's, so its error records' ids are its own
 
     def _init_work(self) -> None:
         # engine request id -> (task, sample index) pairs awaiting it
@@ -173,8 +176,11 @@ class RowWork:
     def _token_bytes(self, token: int) -> bytes:
         return self.engine.grammars.token_bytes(token)  # built on first use
 
-    def _write_error(self, error: RowError, sink, openai: bool) -> None:
-        sink.put(error.index, orjson.dumps(error_record(error, openai)) + b"\n", is_error=True)
+    def _write_error(self, error: RowError, sink, openai: bool | None) -> None:
+        # A row nothing of which could be read takes the shape of the input's rows
+        shape = self.openai_input if openai is None else openai
+        record = error_record(error, shape, self.job_id or self.created)
+        sink.put(error.index, orjson.dumps(record) + b"\n", is_error=True)
 
 
 
@@ -223,6 +229,7 @@ class JobRunner(RowWork):
             raise JobError(f"job folder {spec.job_dir} is in use by another batchrun process "
                            f"(pid {self.lock.holder()}); wait for it or use another --job-dir")
         self.rows_total = spec.rows_total
+        self.openai_input = input_is_openai(spec)
         self.check_paths()
         new = mf.new_manifest(spec.input_fingerprint, self.model_name,
                               self.model_path, self.engine.model_fingerprint,
@@ -231,6 +238,7 @@ class JobRunner(RowWork):
         if old is not None and not spec.restart:
             check_same_job(spec, old, new)
             new["created"] = old["created"]
+            new["job_id"] = old.get("job_id")  # None in a job.json made before it had one
         try:
             ownership.claim(spec.output, spec.job_dir)
         except ownership.OutputConflict as e:
@@ -387,6 +395,10 @@ class JobRunner(RowWork):
     @property
     def created(self) -> int:
         return self.manifest["created"]
+
+    @property
+    def job_id(self) -> str | None:
+        return self.manifest.get("job_id")
 
     def _check_id(self, raw: RawRow) -> RowError | None:
         """A row whose explicit id an earlier row already used is an error (the later one).

@@ -258,6 +258,18 @@ def input_stem(path: Path) -> str:
 TEMPLATE_SAMPLE = 100  # rows read to check --prompt-template's columns before the model loads
 
 
+def input_is_openai(spec: JobSpec) -> bool:
+    """Whether the input's first readable rows are lines of an OpenAI batch file."""
+    try:
+        for raw in itertools.islice(read_rows(spec.input, 0, spec.rows.limits.row_bytes),
+                                    TEMPLATE_SAMPLE):
+            if raw.error is None and isinstance(raw.value, dict):
+                return is_openai_line(raw.value)
+    except InputError:
+        pass  # said as the input's own problem, elsewhere
+    return False
+
+
 def check_template_columns(spec: JobSpec) -> None:
     """Refuse (exit 2) what would fail every row, from the input's first rows (a Parquet
     file's schema, a JSONL file's first rows): a --prompt-template naming a column none of the

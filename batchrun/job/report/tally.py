@@ -16,6 +16,7 @@ from pathlib import Path
 
 import orjson
 
+from batchrun.job.records import record_line
 from batchrun.job.sink import Record
 from batchrun.job.state import DamagedFile, JobState, Progress, read_json
 
@@ -206,7 +207,7 @@ class RecordTally:
         index = record.get("index") if isinstance(record.get("index"), int) else math.inf
         if len(examples) == ERROR_EXAMPLES and index >= examples[-1][0]:
             return
-        examples.append((index, {"line": record.get("line"), "index": record.get("index"),
+        examples.append((index, {"line": record_line(record), "index": record.get("index"),
                                  "custom_id": record.get("custom_id"),
                                  "message": error.get("message")}))
         examples.sort(key=lambda pair: pair[0])  # spilled rows come after the ordered ones
