@@ -167,3 +167,33 @@ def test_the_report_counts_the_models_rows_asked_for_and_bodies_name_the_one_tha
     assert report["models_requested"] == {"gpt-4o-mini": 2, "llama": 1}
     answered = {r["response"]["body"]["model"] for r in jsonl(tmp_path / "job" / "results.jsonl")}
     assert answered == {report["model"]}
+
+
+def test_a_completions_prompt_may_be_token_ids_or_a_list_of_prompts(tmp_path, demo):
+    """As OpenAI's /v1/completions: a list of prompts gives one choice a prompt (n each,
+    numbered prompt * n + sample) in one response; token ids are a prompt as they are."""
+    def line(name, prompt, **extra):
+        return {"custom_id": name, "method": "POST", "url": "/v1/completions",
+                "body": {"prompt": prompt, "max_tokens": 3, **extra}}
+
+    ids = demo.tokenizer.encode("Once upon a time")
+    vocab = len(demo.tokenizer.get_vocab())
+    rows = [line("one", "Once upon a time"), line("two", "The sea is"),
+            line("list", ["Once upon a time", "The sea is"], n=2),
+            line("ids", ids), line("lists", [ids, "The sea is"]),
+            line("bad-id", [1, vocab + 5]), line("empty", []), line("mixed", ["x", 3])]
+    job = tmp_path / "job"
+    run(write_rows(tmp_path / "rows.jsonl", rows), "--job-dir", job)
+    out = {r["custom_id"]: r["response"]["body"] for r in jsonl(job / "results.jsonl")}
+    text = {k: [c["text"] for c in b["choices"]] for k, b in out.items()}
+    one, two = text["one"][0], text["two"][0]
+    assert text["list"] == [one, one, two, two]
+    assert [c["index"] for c in out["list"]["choices"]] == [0, 1, 2, 3]
+    assert text["ids"] == [one] and text["lists"] == [one, two]
+    usage = out["list"]["usage"]
+    assert usage["prompt_tokens"] == out["one"]["usage"]["prompt_tokens"] + \
+        out["two"]["usage"]["prompt_tokens"]
+    errors = {e["custom_id"]: e["error"] for e in jsonl(job / "errors.jsonl")}
+    assert set(errors) == {"bad-id", "empty", "mixed"}
+    assert all(e["code"] == "invalid_prompt" for e in errors.values())
+    assert "token ids" in errors["bad-id"]["message"]

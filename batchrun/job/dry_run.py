@@ -61,8 +61,8 @@ def count_and_probe(engine, spec, probe_rows: int) -> DryRun:
         ids = task.prompt_ids
         if found.first_prompt is None:
             found.first_prompt = engine.tokenizer.decode(ids)
-        found.prompt_tokens += len(ids)
-        found.max_new_tokens += task.params.max_tokens * task.n
+        found.prompt_tokens += len(ids) + sum(map(len, task.more_prompts))
+        found.max_new_tokens += task.params.max_tokens * task.samples
         shared = _shared_blocks(block_keys(ids, block, b""), seen)
         if shared:
             found.sharing_rows += 1

@@ -124,13 +124,14 @@ def openai_record(task: Task, outs: list[Output], model: str, created: int,
     (one choice per sample). `model` is the model that answered (body.model is what the row
     asked for: the report counts those)."""
     key = _hash_id(created, task.index, task.custom_id)
-    first = outs[0]
     completion = sum(o.completion_tokens for o in outs)
+    per_prompt = outs[::task.n]  # each prompt's first sample (a completions row may list several)
+    prompt_tokens = sum(o.prompt_tokens for o in per_prompt)
     usage = {
-        "prompt_tokens": first.prompt_tokens,
+        "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
-        "total_tokens": first.prompt_tokens + completion,
-        "prompt_tokens_details": {"cached_tokens": first.cached_tokens},
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in per_prompt)},
     }
     choices = []
     for i, out in enumerate(outs):

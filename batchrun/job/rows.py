@@ -102,15 +102,26 @@ class Task:
     prompt_digest: bytes = b""
     expected: str | None = None  # the row's --expected-column value
     columns: dict | None = None  # the row's --keep-columns values
+    # An OpenAI completions row whose prompt is a list: the prompts after the first, each
+    # sampled n times (choice prompt * n + sample, as OpenAI numbers them)
+    more_prompts: tuple[list[int], ...] = ()
+
+    @property
+    def samples(self) -> int:
+        return self.n * (1 + len(self.more_prompts))
+
+    def sample_prompt(self, sample: int) -> list[int]:
+        prompt = sample // self.n
+        return self.prompt_ids if prompt == 0 else self.more_prompts[prompt - 1]
 
     def sample_params(self) -> list[SamplingParams]:
         """One SamplingParams per sample: sample 0 is the row's own, the others get distinct
-        seeds derived from it (greedy samples are all alike)."""
+        seeds derived from it (greedy samples are all alike); the same for each prompt."""
         out = [self.params]
         for i in range(1, self.n):
             seed = None if self.params.greedy else row_seed(i, self.params.seed or 0)
             out.append(dataclasses.replace(self.params, seed=seed))
-        return out
+        return out * (1 + len(self.more_prompts))
 
 
 @dataclass(slots=True)
@@ -255,9 +266,13 @@ def _build(value: Any, index: int, line: int, custom_id: str, prompts: PromptBui
                           f"body.model {model!r} is not served here: this job serves "
                           f"{', '.join(map(repr, options.served_model_names))}")
     ids, vision = _prompt_ids(body, openai, prompts, options, value)
+    more: tuple[list[int], ...] = ()
+    if ids and isinstance(ids[0], list):  # a list of prompts
+        ids, more = ids[0], tuple(ids[1:])
     tools = body.get("tools") if body.get("tool_choice") != "none" else None
     return Task(index, line, custom_id, ids, params, openai, model, n, vision,
                 tools if isinstance(tools, list) and tools else None, chat=not raw_prompt,
+                more_prompts=more,
                 expected=expected_value(value, options.expected_column),
                 columns=kept_columns(value, options.keep_columns))
 
@@ -345,6 +360,11 @@ def _prompt_ids(body: dict, openai: str | None, prompts: PromptBuilder, options:
     column_image = row.get(options.image_column) if options.image_column else None
     if _is_raw_prompt(body, openai):
         prompt = body.get("prompt")
+        if openai == "completion" and not isinstance(prompt, str):
+            ids = completion_prompts(prompt, prompts, options)
+            if column_image is not None:
+                raise RowRejected("invalid_prompt", "a prompt of token ids takes no images")
+            return ids, None
         if not isinstance(prompt, str):
             raise RowRejected("invalid_prompt", "prompt must be a string")
         if not prompt:
@@ -380,6 +400,36 @@ def _prompt_ids(body: dict, openai: str | None, prompts: PromptBuilder, options:
         return _with_images(messages, refs, body, prompts, options, column_image, openai)
     return prompts.encode_chat(messages, tools=body.get("tools"), chat_template_kwargs=kwargs), \
         None
+
+
+MAX_PROMPTS = 64  # prompts one OpenAI completions row may list
+
+
+def completion_prompts(prompt: Any, prompts: PromptBuilder, options: RowOptions
+                       ) -> list[int] | list[list[int]]:
+    """An OpenAI completions prompt that is not one string: token ids (one prompt), or a list
+    of strings or of token-id lists (one prompt each: a list of lists is returned)."""
+    def ids(value: Any, where: str) -> list[int]:
+        if isinstance(value, str):
+            if not value:
+                raise RowRejected("invalid_prompt", f"{where} is empty")
+            _check_prompt_size(len(value), where, options.limits)
+            return prompts.encode(value)
+        if isinstance(value, list) and value and all(
+                type(t) is int and 0 <= t < prompts.vocab_size for t in value):
+            return list(value)
+        raise RowRejected("invalid_prompt", f"{where} must be a string, or a list of token ids "
+                                            f"under the vocabulary's {prompts.vocab_size:,}")
+
+    if not isinstance(prompt, list) or not prompt:
+        raise RowRejected("invalid_prompt", "prompt must be a string, token ids, or a list of "
+                                            "them")
+    if all(type(t) is int for t in prompt):
+        return ids(prompt, "prompt")
+    if len(prompt) > MAX_PROMPTS:
+        raise RowRejected("invalid_prompt", f"prompt lists {len(prompt)} prompts; at most "
+                                            f"{MAX_PROMPTS}")
+    return [ids(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
 
 
 def _image_refs(messages: Any, openai: str | None) -> list[tuple[str, object]]:

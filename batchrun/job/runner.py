@@ -118,13 +118,14 @@ class RowWork:
             self._write_error(item, sink, openai=item.openai)
             bar.update(1)
             return
-        self._samples[item.index] = [None] * item.n
+        self._samples[item.index] = [None] * item.samples
         for sample, params in enumerate(item.sample_params()):
             self._submit_sample(item, sample, params, sink, bar)
 
     def _submit_sample(self, task: Task, sample: int, params, sink, bar) -> None:
-        digest = task.prompt_digest or _prompt_digest(
-            task.prompt_ids, task.vision.digests if task.vision is not None else ())
+        prompt = task.sample_prompt(sample)
+        digest = (task.prompt_digest if prompt is task.prompt_ids else b"") or _prompt_digest(
+            prompt, task.vision.digests if task.vision is not None else ())
         key = _payload_key(digest, params)
         if key in self._done:  # identical to a recent request: reuse its output
             self._done.move_to_end(key)
@@ -134,7 +135,7 @@ class RowWork:
             self.deduplicated += 1
             self._pending[self._inflight[key]].append((task, sample))
         else:
-            request_id = self.engine.add_tokens(task.prompt_ids, params, task.vision)
+            request_id = self.engine.add_tokens(prompt, params, task.vision)
             self._pending[request_id] = [(task, sample)]
             self._inflight[key] = request_id
             self._request_key[request_id] = key

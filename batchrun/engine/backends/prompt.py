@@ -7,6 +7,7 @@ one); chat messages go through the model's chat template with tools, `chat_templ
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -27,6 +28,14 @@ class PromptBuilder:
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
         self._chat_tokens = SharedStarts(
             self._encode, [t.content for t in added.values() if getattr(t, "special", False)])
+
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        """Token ids the tokenizer knows (a prompt given as ids must be under it)."""
+        try:
+            return len(self.tokenizer.get_vocab())
+        except (AttributeError, TypeError):
+            return int(getattr(self.tokenizer, "vocab_size", 0)) or (1 << 31)
 
     def encode(self, prompt: str) -> list[int]:
         if not isinstance(prompt, str):
