@@ -21,7 +21,8 @@ LAYER = {
     # engine: the real MLX engine on the tiny bundled models
     "test_chat_template.py": "engine", "test_constrained.py": "engine",
     "test_demo_model.py": "engine", "test_engine.py": "engine",
-    "test_engine_backends.py": "engine", "test_families.py": "engine",
+    "test_engine_backends.py": "engine", "test_engine_serving.py": "engine",
+    "test_families.py": "engine",
     "test_faults.py": "engine", "test_gated_delta.py": "engine",
     "test_host_attention.py": "engine", "test_prefix_cache.py": "engine",
     "test_quantized.py": "engine",

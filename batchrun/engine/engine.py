@@ -16,7 +16,9 @@ prefill chunk for rows joining) and returns the requests that finished.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -47,6 +49,7 @@ from batchrun.engine.postprocess import (
 from batchrun.engine.prefix_plan import PrefixNeeded
 from batchrun.engine.scheduler import Scheduler
 from batchrun.engine.sequence import Sequence, Status
+from batchrun.engine.serving import EngineStopped, Serving, Stream
 from batchrun.engine.stats import EngineStats
 from batchrun.engine.types import ConstraintError, FinishReason, Output, SamplingParams
 from batchrun.models.weights import WeightPlan
@@ -88,6 +91,8 @@ class Engine:
             backend = TextBackend(model, tokenizer)
         self.backend = backend
         self.model = model
+        self.serving = Serving(self)  # start(): steps on a thread of their own
+        self._stopped = False
         self.tokenizer = backend.tokenizer
         self.prompts = backend.prompts
         cap, prefill_tokens = device_defaults(backend.kv_model)
@@ -251,6 +256,9 @@ class Engine:
 
     def add_tokens(self, prompt: list[int], params: SamplingParams, inputs: Any = None) -> int:
         """Queue a request from token ids (and what the backend needs besides); its id."""
+        if self._stopped:
+            raise EngineStopped("the engine is stopped (stop() or close() let go of its model "
+                                "and caches): load one again with Engine.load")
         seq = Sequence(next(self._ids), list(prompt), params, params.max_tokens, inputs,
                        media=inputs.media if inputs is not None else ())
         seq.thinking_opened = params.thinking is not False and \
@@ -366,16 +374,111 @@ class Engine:
             outputs.extend(self.step())
         return sorted(outputs, key=lambda o: o.request_id)
 
-    def generate(self, prompts: list[str | list[int] | list[dict]],
-                 params: SamplingParams | None = None, **sampling) -> list[Output]:
+    def generate(self, prompts: Any = None, params: SamplingParams | None = None, *,
+                 prompt: Any = None, **sampling) -> Any:
         """Run prompts to the end: each a text, token ids, or a chat (a list of messages).
-        Sampling comes from `params` or keyword arguments (max_tokens=8, temperature=0.7...).
-        Returns one Output per prompt, in order."""
+        One prompt (`prompt=`, or a text, token ids or chat as the first argument) gives its
+        Output; a list of them one Output each, in order. Sampling comes from `params` or
+        keyword arguments (max_tokens=8, temperature=0.7...). Inside a running event loop it
+        returns an awaitable (`await engine.generate(...)`), the requests run by the engine's
+        thread (start()) beside other callers'."""
+        single = prompt is not None or _one_prompt(prompts)
+        given = [prompt if prompt is not None else prompts] if single else list(prompts)
         params = sampling_params(params, sampling)
-        ids = [self.add_request(messages=p, params=params) if is_chat(p)
-               else self.add_request(p, params) for p in prompts]
-        done = {o.request_id: o for o in self.run()}
-        return [done[i] for i in ids]
+        adds = [functools.partial(self._add_prompt, p, params) for p in given]
+        if _in_event_loop():
+            return self._await_all(adds, single)
+        if self.serving.running:
+            outs = [self.serving.wait(add) for add in adds]
+        else:
+            ids = [add() for add in adds]
+            done = {o.request_id: o for o in self.run()}
+            outs = [done[i] for i in ids]
+        return outs[0] if single else outs
+
+    def chat(self, messages: list[dict], tools: list[dict] | None = None,
+             params: SamplingParams | None = None, *, chat_template_kwargs: dict | None = None,
+             enable_thinking: bool | None = None, **sampling) -> Any:
+        """One chat to the end: its Output (an awaitable inside a running event loop)."""
+        params = sampling_params(params, sampling)
+        add = functools.partial(self.add_request, None, params, messages=messages, tools=tools,
+                                chat_template_kwargs=chat_template_kwargs,
+                                enable_thinking=enable_thinking)
+        if _in_event_loop():
+            return self._await_all([add], True)
+        if self.serving.running:
+            return self.serving.wait(add)
+        request_id = add()
+        return next(o for o in self.run() if o.request_id == request_id)
+
+    def stream_generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                        **sampling) -> Stream:
+        """One prompt's StreamOutputs as its tokens arrive: `for` or `async for` over it. The
+        engine's thread runs it (started if it is not), beside other callers' requests."""
+        self.start()
+        return self.serving.stream(functools.partial(
+            self._add_prompt, prompt, sampling_params(params, sampling)))
+
+    def stream_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    params: SamplingParams | None = None, **sampling) -> Stream:
+        """stream_generate for a chat (with its tools)."""
+        self.start()
+        return self.serving.stream(functools.partial(
+            self.add_request, None, sampling_params(params, sampling), messages=messages,
+            tools=tools))
+
+    def _add_prompt(self, prompt: Any, params: SamplingParams) -> int:
+        if is_chat(prompt):
+            return self.add_request(messages=prompt, params=params)
+        return self.add_request(prompt, params)
+
+    async def _await_all(self, adds: list, single: bool) -> Any:
+        self.start()
+        outs = await asyncio.gather(*(self.serving.wait_async(add) for add in adds))
+        return outs[0] if single else list(outs)
+
+    def start(self) -> None:
+        """Run the engine's steps on a thread of its own, so that callers on other threads or
+        in an event loop share one batch (generate, chat and streams wait for their own)."""
+        if self._stopped:
+            raise EngineStopped("the engine is stopped: load one again with Engine.load")
+        self.serving.start()
+
+    def stop(self) -> None:
+        """Stop the engine's thread (requests still running end with `abort`), and let go of
+        the model's caches as close() does; a call after it raises EngineStopped."""
+        self.serving.stop()
+        self.close()
+
+    def abort_request(self, request_id: int) -> bool:
+        """abort() under the name vllm-mlx's engine gives it."""
+        with self.serving.lock:
+            return self.abort(request_id)
+
+    def get_stats(self) -> dict:
+        """What the engine did, as a dict: requests, tokens, rates, batch sizes, memory."""
+        s = self.stats
+        return {"requests_finished": s.requests_finished, "prompt_tokens": s.prompt_tokens,
+                "cached_tokens": s.cached_tokens, "completion_tokens": s.completion_tokens,
+                "prefill_tokens_per_s": s.prefill_tokens_per_s,
+                "decode_tokens_per_s": s.decode_tokens_per_s,
+                "mean_batch_size": s.mean_batch_size, "peak_memory_bytes": s.peak_memory_bytes,
+                "running": self.num_running, "waiting": self.num_waiting,
+                "ttft_p50_s": s.ttft_quantile(0.5)}
+
+    @property
+    def model_name(self) -> str:
+        return Path(self.model_path).name if self.model_path else "model"
+
+    @property
+    def is_mllm(self) -> bool:
+        """Whether the model takes images (a vision-language model's backend)."""
+        return bool(self.backend.accepts_images)
+
+    def clear_runtime_caches(self) -> None:
+        """Give MLX's buffer cache back to the device (the prefix cache is kept:
+        clear_prefix_cache drops it)."""
+        mx.clear_cache()
 
     def step(self) -> list[Output]:
         """Admit what fits, run one backend step; return the requests that finished."""
@@ -611,9 +714,29 @@ class Engine:
 
     def close(self) -> None:
         """The engine is done: what its prefix cache has for the disk is written, and a cache
-        it made itself (Engine.load's) lets go of its threads and folder."""
+        it made itself (Engine.load's) lets go of its threads and folder. A request added
+        after it raises EngineStopped."""
+        if self.serving.running:
+            self.serving.stop()
+        self._stopped = True
         self.cache_control.close()
         self.backend.close()
+
+
+def _one_prompt(prompts: Any) -> bool:
+    """A text, token ids or a chat: one prompt (a list of those is several)."""
+    if isinstance(prompts, str) or is_chat(prompts):
+        return True
+    return isinstance(prompts, list) and bool(prompts) and all(
+        type(t) is int for t in prompts)
+
+
+def _in_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 NOT_FINITE_ERROR = ("the model's log-probabilities for this row are not numbers (NaN or "

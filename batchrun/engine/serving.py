@@ -1,0 +1,238 @@
+"""The engine shared by many callers: its steps on a thread of its own, callers waiting for
+their requests (blocking, or awaiting in an event loop), and streams of a request's text as its
+tokens arrive. What vllm-mlx's `BatchedEngine` offers as `generate`, `chat`, `stream_generate`
+and `stream_chat`, on batchrun's engine (`Engine` delegates here).
+
+One lock guards the engine: the serving thread holds it for a step, a caller for adding or
+aborting a request. A caller is told of its request from the serving thread: a threading event
+for one that blocks, the event loop's own future (`call_soon_threadsafe`) for one that awaits,
+so an awaiting caller never blocks its loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from batchrun.engine.types import FinishReason, Output
+
+
+@dataclass(slots=True)
+class StreamOutput:
+    """A request's progress: its text so far and what this step added; the last one a stream
+    gives is `finished`, with the whole Output."""
+
+    request_id: int
+    text: str
+    new_text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    output: Output | None = None
+
+
+class EngineStopped(RuntimeError):
+    """A call on an engine after stop() (or close())."""
+
+
+class Serving:
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.lock = threading.RLock()
+        self._wake = threading.Condition(self.lock)
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._done: dict[int, list[Callable[[Output], None]]] = {}
+        self._watched: dict[int, list[Callable[[], None]]] = {}  # told after every step
+        self.failure: BaseException | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        with self.lock:
+            if self.running:
+                return
+            self._stopping = False
+            self._thread = threading.Thread(target=self._serve, name="batchrun-engine",
+                                            daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Stop stepping; requests still running are aborted, their callers told."""
+        with self.lock:
+            self._stopping = True
+            self._wake.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._thread = None
+        with self.lock:
+            for request_id in list(self._done):
+                self.engine.abort(request_id)
+            self._deliver(self.engine.run() if self.engine.has_work() else [])
+
+    def submit(self, add: Callable[[], int], on_done: Callable[[Output], None],
+               on_step: Callable[[], None] | None = None) -> int:
+        """Add a request (`add` queues it, returns its id) whose Output goes to `on_done`."""
+        with self.lock:
+            if self.failure is not None:
+                raise EngineStopped(f"the engine's thread failed: {self.failure}")
+            request_id = add()
+            self._done.setdefault(request_id, []).append(on_done)
+            if on_step is not None:
+                self._watched.setdefault(request_id, []).append(on_step)
+            self._wake.notify_all()
+        return request_id
+
+    def _serve(self) -> None:
+        try:
+            while True:
+                with self.lock:
+                    while not self._stopping and not self.engine.has_work():
+                        self._wake.wait()
+                    if self._stopping:
+                        return
+                    finished = self.engine.step()
+                    for watchers in list(self._watched.values()):
+                        for watch in watchers:
+                            watch()
+                    self._deliver(finished)
+        except BaseException as e:  # every waiting caller hears of it, none waits forever
+            with self.lock:
+                self.failure = e
+                for request_id in list(self._done):
+                    self._fail(request_id, e)
+
+    def _deliver(self, finished: list[Output]) -> None:
+        for out in finished:
+            self._watched.pop(out.request_id, None)
+            for tell in self._done.pop(out.request_id, []):
+                tell(out)
+
+    def _fail(self, request_id: int, error: BaseException) -> None:
+        self._watched.pop(request_id, None)
+        for tell in self._done.pop(request_id, []):
+            tell(Output(request_id, "", [], FinishReason.ERROR, 0,
+                        error=f"the engine's thread failed: {error}"))
+
+    # -- waiting for one request ----------------------------------------------------------------
+
+    def wait(self, add: Callable[[], int]) -> Output:
+        """Block until the request is done (the serving thread runs it)."""
+        box: list[Output] = []
+        event = threading.Event()
+
+        def done(out: Output) -> None:
+            box.append(out)
+            event.set()
+
+        self.submit(add, done)
+        event.wait()
+        return box[0]
+
+    async def wait_async(self, add: Callable[[], int]) -> Output:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Output] = loop.create_future()
+
+        def done(out: Output) -> None:
+            loop.call_soon_threadsafe(_settle, future, out)
+
+        self.submit(add, done)
+        return await future
+
+    # -- streams ---------------------------------------------------------------------------------
+
+    def stream(self, add: Callable[[], int]) -> Stream:
+        return Stream(self, add)
+
+
+def _settle(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+class Stream:
+    """A request's StreamOutputs, iterated (`for`) or awaited (`async for`); the request is
+    added when iteration begins."""
+
+    def __init__(self, serving: Serving, add: Callable[[], int]):
+        self._serving = serving
+        self._add = add
+
+    def __iter__(self) -> Iterator[StreamOutput]:
+        events: queue.Queue = queue.Queue()
+        progress = _Progress(self._serving.engine)
+        request = self._serving.submit(self._add, lambda out: events.put(("done", out)),
+                                       lambda: events.put(("step", None)))
+        while True:
+            kind, out = events.get()
+            update = progress.update(request, out) if kind == "done" else \
+                progress.update(request)
+            if update is not None:
+                yield update
+            if kind == "done":
+                return
+
+    def __aiter__(self) -> AsyncIterator[StreamOutput]:
+        return self._async()
+
+    async def _async(self) -> AsyncIterator[StreamOutput]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        progress = _Progress(self._serving.engine)
+
+        def post(item: tuple) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, item)
+
+        # Progress is read on the serving thread (it holds the engine's lock), the text
+        # handed over.
+        holder: list[int] = []
+
+        def on_step() -> None:
+            if holder:
+                update = progress.update(holder[0])
+                if update is not None:
+                    post(("step", update))
+
+        def on_done(out: Output) -> None:
+            post(("done", progress.update(out.request_id, out)))
+
+        holder.append(self._serving.submit(self._add, on_done, on_step))
+        while True:
+            kind, update = await events.get()
+            if update is not None:
+                yield update
+            if kind == "done":
+                return
+
+
+class _Progress:
+    """A request's text as its tokens arrive (decoded whole each time: a token may complete a
+    character the one before began)."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.text = ""
+        self.tokens = 0
+
+    def update(self, request_id: int, out: Output | None = None) -> StreamOutput | None:
+        if out is not None:
+            new = out.text[len(self.text):] if out.text.startswith(self.text) else out.text
+            return StreamOutput(request_id, out.text, new, list(out.token_ids), True,
+                                out.finish_reason, out)
+        with self.engine.serving.lock:
+            seq = self.engine.scheduler.find(request_id)
+            if seq is None or len(seq.tokens) == self.tokens:
+                return None
+            tokens = list(seq.tokens)
+        text = self.engine.tokenizer.decode(tokens)
+        if text.endswith("\ufffd"):  # a character whose bytes are not all in yet
+            return None
+        new = text[len(self.text):] if text.startswith(self.text) else text
+        self.text, self.tokens = text, len(tokens)
+        return StreamOutput(request_id, text, new, tokens)
