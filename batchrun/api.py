@@ -352,6 +352,7 @@ def _local_runner(job: Job):
         except ConstraintError as e:
             raise UsageError(str(e)) from None
     spec.rows.check_constraint = engine.check_constraint
+    spec.rows.tool_call_markup = engine.markup.json_tool_calls(engine.encode_text)
     return JobRunner(engine, spec, o.model or "demo", engine.model_path, device_name())
 
 

@@ -355,3 +355,59 @@ def test_choices_with_n_seeded_samples_do_not_depend_on_the_batch(tmp_path):
         assert [s["text"] for s in a["samples"]] == [s["text"] for s in b["samples"]]
         assert all(s["text"] in CHOICES for s in a["samples"])
         assert a["choice_probs"] == pytest.approx(b["choice_probs"], abs=1e-5)
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "weather", "parameters": {"type": "object", "additionalProperties": False,
+                                      "properties": {"city": {"type": "string", "maxLength": 12}},
+                                      "required": ["city"]}}},
+         {"type": "function", "function": {
+             "name": "time", "parameters": {"type": "object", "additionalProperties": False,
+                                            "properties": {"zone": {"enum": ["UTC", "CET"]}},
+                                            "required": ["zone"]}}}]
+
+
+def test_tool_choice_required_or_named_makes_every_answer_a_call(tmp_path):
+    """`tool_choice: "required"` answers with a call of one of the tools, a named function
+    with a call of it, its arguments valid against the tool's parameters; one that cannot be
+    honoured is the row's error."""
+    def line(name, choice, tools=TOOLS, content="Weather in Paris?"):
+        return {"custom_id": name, "method": "POST", "url": "/v1/chat/completions",
+                "body": {"messages": [{"role": "user", "content": content}], "tools": tools,
+                         "tool_choice": choice, "max_tokens": 60}}
+
+    rows = [*(line(f"req{i}", "required", content=f"Question {i}?") for i in range(4)),
+            line("named", {"type": "function", "function": {"name": "time"}}),
+            line("unknown", {"type": "function", "function": {"name": "nope"}}),
+            line("no-tools", "required", tools=None), line("odd", "sometimes")]
+    job = tmp_path / "job"
+    run(write_rows(tmp_path / "rows.jsonl", rows), "--job-dir", job)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    results = {r["custom_id"]: r["response"]["body"]["choices"][0]
+               for r in jsonl(job / "results.jsonl")}
+    assert set(results) == {"req0", "req1", "req2", "req3", "named"}
+    for name, choice in results.items():
+        assert choice["finish_reason"] == "tool_calls", name
+        (call,) = choice["message"]["tool_calls"]
+        function = call["function"]
+        assert function["name"] in schemas
+        jsonschema.validate(json.loads(function["arguments"]), schemas[function["name"]])
+    assert results["named"]["message"]["tool_calls"][0]["function"]["name"] == "time"
+    errors = {e["custom_id"]: e["error"] for e in jsonl(job / "errors.jsonl")}
+    assert {k: e["code"] for k, e in errors.items()} == {
+        "unknown": "invalid_field", "no-tools": "invalid_field", "odd": "invalid_field"}
+    assert "'nope'" in errors["unknown"]["message"]
+
+
+def test_tool_choice_on_a_tool_format_that_cannot_be_constrained_is_the_rows_error(demo):
+    from batchrun.engine.backends.prompt import PromptBuilder
+    from batchrun.job.rows import RowError, RowOptions, build_task
+
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+            "tool_choice": "required"}
+    row = {"custom_id": "a", "url": "/v1/chat/completions", "body": body}
+    # a model whose tool calls are not JSON between two markers: no markup to constrain to
+    error = build_task(row, 0, 1, PromptBuilder(demo.tokenizer),
+                       RowOptions(tool_call_markup=None))
+    assert isinstance(error, RowError) and error.code == "unsupported_field"
+    assert "cannot be constrained" in error.message

@@ -38,7 +38,8 @@ def test_a_stream_gives_the_text_as_it_grows_and_ends_with_the_output(engine):
     assert parts[-1].finished and parts[-1].output.token_ids == want.token_ids
     assert not any(p.finished for p in parts[:-1]) and len(parts) > 1
     assert "".join(p.new_text for p in parts) == want.text == parts[-1].text
-    assert all(len(a.token_ids) <= len(b.token_ids) for a, b in zip(parts, parts[1:]))
+    assert all(len(a.token_ids) <= len(b.token_ids) for a, b in zip(parts[:-1], parts[1:],
+                                                                     strict=True))
 
 
 def test_awaited_calls_share_the_engines_batch_and_give_the_same_tokens(engine):

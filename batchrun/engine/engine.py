@@ -288,6 +288,10 @@ class Engine:
             self.scheduler.add(seq)
         return seq.id
 
+    def encode_text(self, text: str) -> list[int]:
+        """A text's token ids, no special tokens added."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
     @property
     def markup(self) -> Markup:
         """The tokenizer's reasoning and tool-call markup."""

@@ -149,7 +149,8 @@ class ConstraintError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Constraint:
-    """What a row's answer must match. `kind`: json_schema, json_object, regex or choices."""
+    """What a row's answer must match. `kind`: json_schema, json_object, regex, choices, or
+    lark (a grammar: tool_call's)."""
 
     kind: str
     value: str | tuple[str, ...] = ""  # the schema as JSON text, the regex, or the choices
@@ -180,6 +181,29 @@ class Constraint:
             raise ConstraintError("a regex must be a non-empty string")
         return cls("regex", pattern)
 
+    @classmethod
+    def tool_call(cls, tools: list[dict], start: str, end: str) -> Constraint:
+        """An answer that is one call of one of `tools` (OpenAI function tools), in a
+        tokenizer's JSON tool-call markup: `start`, a line, {"name": ..., "arguments": ...}
+        whose arguments match the tool's parameters, a line, `end`. The markers are lark
+        terms: a quoted string, or `<[id]>` for a marker that is one added token (the grammar
+        engine matches such a token only by its id)."""
+        calls = []
+        for tool in tools:
+            function = tool.get("function") if isinstance(tool, dict) else None
+            name = function.get("name") if isinstance(function, dict) else None
+            if not isinstance(name, str) or not name:
+                raise ConstraintError("each tool needs a function with a name")
+            parameters = function.get("parameters") or {"type": "object"}
+            if not isinstance(parameters, dict):
+                raise ConstraintError(f"tool {name!r}: parameters must be a JSON schema")
+            calls.append({"type": "object", "additionalProperties": False,
+                          "required": ["name", "arguments"],
+                          "properties": {"name": {"const": name}, "arguments": parameters}})
+        # compact JSON, as every constrained answer is (JSON_OPTIONS)
+        schema = json.dumps({"anyOf": calls, "x-guidance": JSON_OPTIONS}, sort_keys=True)
+        return cls("lark", f'start: {start} "\\n" call "\\n" {end}\ncall: %json {schema}')
+
     def grammar(self) -> str:
         """The llguidance grammar for this constraint."""
         if self.kind == "json_schema":
@@ -193,10 +217,12 @@ class Constraint:
         if self.kind == "choices":
             alternatives = " | ".join(json.dumps(c) for c in self.value)
             return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+        if self.kind == "lark":
+            return llguidance.LLMatcher.grammar_from_lark(self.value)
         raise ConstraintError(f"unknown constraint kind {self.kind!r}")
 
     def describe(self) -> str:
         if self.kind == "choices":
             return "choices " + ", ".join(self.value)
         return {"json_schema": "the JSON schema", "json_object": "a JSON object",
-                "regex": f"the regex {self.value!r}"}[self.kind]
+                "regex": f"the regex {self.value!r}", "lark": "a tool call"}[self.kind]

@@ -124,8 +124,9 @@ class SliceWorker(RowWork):
             from batchrun.job.limits import image_cache
 
             row_options = dataclasses.replace(row_options, images=image_cache(row_options.limits))
-        self.row_options = dataclasses.replace(row_options,
-                                               check_constraint=self.engine.check_constraint)
+        self.row_options = dataclasses.replace(
+            row_options, check_constraint=self.engine.check_constraint,
+            tool_call_markup=self.engine.markup.json_tool_calls(self.engine.encode_text))
         self.model_name = model_name
         self.created = created
         self.job_id = job_id

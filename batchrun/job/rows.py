@@ -46,7 +46,6 @@ UNSUPPORTED = {
     "best_of": lambda v: v not in (None, 1),
     "echo": lambda v: v not in (None, False),
     "suffix": lambda v: v not in (None, ""),
-    "tool_choice": lambda v: v not in (None, "auto", "none"),
     "stream": lambda v: v not in (None, False),
 }
 MAX_N = 128
@@ -63,6 +62,9 @@ class RowOptions:
     n: int = 1  # samples per row unless the row sets its own
     # Raises ConstraintError if a constraint does not compile for the model (the engine's).
     check_constraint: Any = None
+    # The model's tool-call markup where it is JSON between two markers ((start, end): Qwen's,
+    # Hermes'), which `tool_choice` "required" or a named function constrains an answer to.
+    tool_call_markup: tuple[str, str] | None = None
     # Image rows (a vision model): decoded images cached by content, the folder relative
     # image paths start from, and the column that holds each row's image.
     images: Any = None  # io.media.ImageCache
@@ -242,7 +244,7 @@ def _build(value: Any, index: int, line: int, custom_id: str, prompts: PromptBui
             raise RowRejected("unsupported_field", f"{name} = {body[name]!r} is not supported "
                                                    "by batchrun: remove it")
     params = sampling_params(body, options.defaults, openai == "completion")
-    constraint = row_constraint(body, options)
+    constraint = tool_choice_constraint(body, options) or row_constraint(body, options)
     if constraint is not params.constraint:
         params = dataclasses.replace(params, constraint=constraint)
     n = body.get("n", options.n)
@@ -326,6 +328,46 @@ def _asks_thinking(body: dict) -> bool:
 
 
 GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice")
+
+
+def tool_choice_constraint(body: dict, options: RowOptions) -> Constraint | None:
+    """`tool_choice` "required" (a call of one of the tools) or a named function (a call of
+    that one): the answer constrained to a call in the model's markup. "auto" and "none"
+    need no constraint."""
+    choice = body.get("tool_choice")
+    if choice in (None, "auto", "none"):
+        return None
+    tools = body.get("tools")
+    if not isinstance(tools, list) or not tools:
+        raise RowRejected("invalid_field", f"tool_choice {_short(repr(choice), 80)} needs tools")
+    if choice == "required":
+        chosen = tools
+    elif isinstance(choice, dict) and choice.get("type") == "function" \
+            and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+        chosen = [t for t in tools if isinstance(t, dict)
+                  and (t.get("function") or {}).get("name") == name]
+        if not chosen:
+            raise RowRejected("invalid_field", f"tool_choice names function {name!r}, which "
+                                               "tools do not offer")
+    else:
+        raise RowRejected("invalid_field", "tool_choice must be \"auto\", \"none\", "
+                                           "\"required\" or {\"type\": \"function\", "
+                                           "\"function\": {\"name\": ...}}")
+    if any(body.get(name) is not None for name in GUIDED_FIELDS):
+        raise RowRejected("invalid_field", "tool_choice and a response format or guided "
+                                           "field cannot both constrain the answer")
+    if options.tool_call_markup is None:
+        raise RowRejected("unsupported_field",
+                          f"tool_choice {_short(repr(choice), 80)}: this model's tool-call "
+                          "format cannot be constrained; use \"auto\"")
+    try:
+        constraint = Constraint.tool_call(chosen, *options.tool_call_markup)
+        if options.check_constraint is not None:
+            options.check_constraint(constraint)
+    except ConstraintError as e:
+        raise RowRejected("invalid_constraint", f"tool_choice: {e}") from None
+    return constraint
 
 
 def row_constraint(body: dict, options: RowOptions) -> Constraint | None:

@@ -56,6 +56,23 @@ class Markup:
                    tool_end=attr("tool_call_end") if attr("has_tool_calling") else None,
                    tool_parser=attr("tool_parser") if attr("has_tool_calling") else None)
 
+    def json_tool_calls(self, encode: Callable[[str], list[int]]) -> tuple[str, str] | None:
+        """The tool-call markers as lark terms where a call is JSON between them (mlx-lm's
+        json_tools parser: Qwen's and Hermes' format), which a grammar can constrain: `<[id]>`
+        for a marker that is one token (`encode` gives a text's ids), else the quoted text;
+        None for another format."""
+        parser = self.tool_parser
+        if parser is None or not self.tool_start or not self.tool_end:
+            return None
+        if not (getattr(parser, "__module__", "") or "").endswith(".json_tools"):
+            return None
+
+        def term(marker: str) -> str:
+            ids = encode(marker)
+            return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(marker)
+
+        return term(self.tool_start), term(self.tool_end)
+
     @property
     def thinks(self) -> bool:
         return bool(self.think_start and self.think_end)
