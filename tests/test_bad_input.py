@@ -60,7 +60,8 @@ def test_every_kind_of_bad_row_gets_one_error_naming_line_and_field(tmp_path):
     results = jsonl(tmp_path / "job" / "results.jsonl")
     errors = jsonl(tmp_path / "job" / "errors.jsonl")
     assert [r["custom_id"] for r in results] == ["a", "b"]
-    by_line = {e["line"]: e["error"] for e in errors}
+    # an OpenAI line's error has OpenAI's shape: its line inside `error`
+    by_line = {e.get("line", e["error"].get("line")): e["error"] for e in errors}
     expect = {2: "not valid JSON", 3: "null", 4: "a list", 5: "a string", 6: "prompt",
               7: "prompt must be a string", 8: "prompt is empty", 9: "context",
               10: "role", 11: "max_tokens", 12: "temperature", 13: "top_p",
@@ -70,9 +71,14 @@ def test_every_kind_of_bad_row_gets_one_error_naming_line_and_field(tmp_path):
     for line, fragment in expect.items():
         assert fragment in by_line[line]["message"], (line, by_line[line])
     assert by_line[14]["code"] == "duplicate_custom_id"
-    # Every non-blank line is accounted for exactly once.
-    indices = sorted([r["index"] for r in results] + [e["index"] for e in errors])
-    assert indices == list(range(17))
+    # Every non-blank line is accounted for exactly once (the OpenAI line's error by its line).
+    from batchrun.io.readers import read_rows
+    from batchrun.job.recovery import ordered_records
+
+    merged = list(ordered_records(tmp_path / "job" / "results.jsonl",
+                                  tmp_path / "job" / "errors.jsonl", read_rows(path)))
+    assert len(merged) == 17 == len(results) + len(errors)
+    assert [r.get("custom_id") for r in merged][14] == "o1"
 
 
 def test_rows_without_a_prompt_are_refused_before_the_model_loads(tmp_path):

@@ -531,7 +531,8 @@ def test_the_first_row_in_input_order_owns_an_id_whatever_order_rows_are_seen_in
 
 
 def test_sigterm_while_the_model_loads_stops_cleanly_with_exit_143(tmp_path):
-    """Before the job loop installs its own handling: one line, the resume command, 143."""
+    """Before the job loop installs its own handling: one line, 143; nothing was written yet,
+    so it says so and that the same command starts the job (no resume is offered)."""
     rows = write_rows(tmp_path / "rows.jsonl", [{"custom_id": "r0", "prompt": "hi"}])
     job = tmp_path / "job"
     slow_load = (  # the model takes long to load: SIGTERM arrives meanwhile
@@ -549,7 +550,8 @@ def test_sigterm_while_the_model_loads_stops_cleanly_with_exit_143(tmp_path):
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err
-    assert err.startswith("stopped by SIGTERM") and "run the same command to resume" in err
+    assert err.startswith("stopped by SIGTERM before the job began (nothing was written)")
+    assert "run the same command to start it" in err and "resume" not in err
     assert "Traceback" not in err and not (job / "results.jsonl").exists()
 
 

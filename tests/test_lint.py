@@ -46,7 +46,7 @@ ENGINE_LAYERS = [
     ("base", {"types", "config", "stats", "memory"}),
     ("kernels", {"kernels"}),
     ("decoding", {"decoding"}),
-    ("state", {"sequence", "postprocess", "prefix_plan", "scheduler"}),
+    ("state", {"sequence", "postprocess", "prefix_plan", "scheduler", "serving"}),
     ("backends", {"backends"}),
     ("core", {"engine", "generate", "cache_control", "load", "vision_engine", "__init__"}),
 ]

@@ -230,8 +230,10 @@ class _Progress:
             if seq is None or len(seq.tokens) == self.tokens:
                 return None
             tokens = list(seq.tokens)
-        text = self.engine.tokenizer.decode(tokens)
-        if text.endswith("\ufffd"):  # a character whose bytes are not all in yet
+        # A character whose bytes are not all in yet decodes as U+FFFD: the text stops before
+        # it until a later step completes it (or the last output says what it is).
+        text = self.engine.tokenizer.decode(tokens).rstrip("\ufffd")
+        if len(text) <= len(self.text) and text == self.text:
             return None
         new = text[len(self.text):] if text.startswith(self.text) else text
         self.text, self.tokens = text, len(tokens)

@@ -25,10 +25,11 @@ class NotRegularFile(OSError):
     """A name batchrun writes is taken by a link, a FIFO, a folder or a device."""
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write temp, fsync, rename, fsync the folder: the file is old or new, never torn."""
+def write_atomic(path: Path, data: bytes, mode: int = FILE_MODE) -> None:
+    """Write temp, fsync, rename, fsync the folder: the file is old or new, never torn. `mode`
+    (less the umask): the job's files' by default; a private cache's 0600."""
     path = Path(path)
-    fd, tmp = temp_beside(path)
+    fd, tmp = temp_beside(path, mode=mode)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -42,13 +43,13 @@ def write_atomic(path: Path, data: bytes) -> None:
     fsync_folder(path.parent)
 
 
-def temp_beside(path: Path, suffix: str = ".tmp") -> tuple[int, str]:
+def temp_beside(path: Path, suffix: str = ".tmp", mode: int = FILE_MODE) -> tuple[int, str]:
     """A new temporary file next to `path`, its mode as the umask makes it (mkstemp's is
     always 0600: a report or output would not get the mode the job's other files get)."""
     for _ in range(100):
         tmp = str(path.parent / f".{path.name}.{secrets.token_hex(6)}{suffix}")
         try:
-            return os.open(tmp, _NEW, FILE_MODE), tmp
+            return os.open(tmp, _NEW, mode), tmp
         except FileExistsError:
             continue
     raise FileExistsError(f"no free temporary name beside {path}")

@@ -33,6 +33,15 @@ class RawRow:
     code: str = "invalid_json"  # the error record's code
 
 
+def record_line(record: dict) -> int | None:
+    """The input line an error record names: top level in batchrun's, in `error` in OpenAI's
+    (its batch error file's shape)."""
+    line = record.get("line")
+    if line is None and isinstance(record.get("error"), dict):
+        line = record["error"].get("line")
+    return line if type(line) is int else None
+
+
 class InputError(Exception):
     """The input file as a whole cannot be read; str() names the file and the problem."""
 

@@ -25,10 +25,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrun.io.files import fsync_folder, temp_beside
-from batchrun.io.jsonl import InputError
+from batchrun.io.jsonl import InputError, record_line
 from batchrun.io.parquet import BATCH_ROWS  # rows per row group: the most rows held at once
 from batchrun.io.readers import is_parquet, read_rows
-from batchrun.job.records import record_line
 
 RESULT_COLUMNS = (
     ("text", pa.string()),

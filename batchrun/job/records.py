@@ -188,10 +188,3 @@ def error_record(error: RowError, openai: bool = False, job: object = 0) -> dict
         "error": {"code": error.code, "message": error.message},
     }
 
-
-def record_line(record: dict) -> int | None:
-    """The input line an error record names: top level in batchrun's, in `error` in OpenAI's."""
-    line = record.get("line")
-    if line is None and isinstance(record.get("error"), dict):
-        line = record["error"].get("line")
-    return line if type(line) is int else None

@@ -22,8 +22,7 @@ from pathlib import Path
 import orjson
 
 from batchrun.io.files import open_append
-from batchrun.io.jsonl import RawRow
-from batchrun.job.records import record_line
+from batchrun.io.jsonl import RawRow, record_line
 from batchrun.job.sink import Record
 from batchrun.job.state import DIGESTS, DamagedFile, JobState, Progress
 

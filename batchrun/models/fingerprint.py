@@ -131,7 +131,7 @@ def store_memo(folder: Path, fresh: dict[str, list]) -> None:
             return
         from batchrun.io.files import write_atomic
 
-        write_atomic(folder / "weights.json", data)
+        write_atomic(folder / "weights.json", data, mode=0o600)  # ours alone
     except OSError as e:
         log.debug("weight digest memo not written in %s: %s", folder, e)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import orjson
 
-from batchrun.job.records import record_line
+from batchrun.io.jsonl import record_line
 from batchrun.job.sink import Record
 from batchrun.job.state import DamagedFile, JobState, Progress, read_json
 
