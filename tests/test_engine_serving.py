@@ -101,4 +101,7 @@ def test_the_seed_engines_names(engine):
     assert stats["requests_finished"] >= 1 and {"prompt_tokens", "completion_tokens",
                                                 "peak_memory_bytes"} <= set(stats)
     assert engine.is_mllm is False and isinstance(engine.model_name, str)
+    done = engine.generate("Once upon a time", max_tokens=3)
+    assert done.usage == {"prompt_tokens": done.prompt_tokens, "completion_tokens": 3,
+                          "total_tokens": done.prompt_tokens + 3, "cached_tokens": 0}
     engine.clear_runtime_caches()

@@ -453,6 +453,7 @@ class Engine:
         the model's caches as close() does; a call after it raises EngineStopped."""
         self.serving.stop()
         self.close()
+        mx.clear_cache()  # the buffers MLX kept for reuse go back to the device
 
     def abort_request(self, request_id: int) -> bool:
         """abort() under the name vllm-mlx's engine gives it."""

@@ -138,6 +138,14 @@ class Output:
     def completion_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def usage(self) -> dict[str, int]:
+        """The tokens, as OpenAI's usage (and vllm-mlx's Output.usage) counts them."""
+        return {"prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "cached_tokens": self.cached_tokens}
+
 
 # Compact JSON, no free whitespace: a weak model cannot wander off into blank space.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
