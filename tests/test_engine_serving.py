@@ -105,3 +105,20 @@ def test_the_seed_engines_names(engine):
     assert done.usage == {"prompt_tokens": done.prompt_tokens, "completion_tokens": 3,
                           "total_tokens": done.prompt_tokens + 3, "cached_tokens": 0}
     engine.clear_runtime_caches()
+
+
+def test_a_caller_may_choose_request_ids_and_a_duplicate_is_refused(engine):
+    assert engine.add_request("Once upon a time", SamplingParams(max_tokens=3),
+                              request_id="mine-1") == "mine-1"
+    with pytest.raises(ValueError, match="'mine-1' is already in use"):
+        engine.add_request("Again", SamplingParams(max_tokens=3), request_id="mine-1")
+    engine.add_request("The sea", SamplingParams(max_tokens=50), request_id="mine-2")
+    assert engine.abort_request("mine-2")
+    outs = {o.request_id: o for o in engine.run()}
+    assert set(outs) == {"mine-1", "mine-2"}
+    assert outs["mine-2"].finish_reason is FinishReason.ABORT
+    # once finished, the id is free again
+    assert engine.add_request("Once upon a time", SamplingParams(max_tokens=3),
+                              request_id="mine-1") == "mine-1"
+    (again,) = engine.run()
+    assert again.request_id == "mine-1" and again.token_ids == outs["mine-1"].token_ids

@@ -92,6 +92,7 @@ class Engine:
         self.backend = backend
         self.model = model
         self.serving = Serving(self)  # start(): steps on a thread of their own
+        self._caller_ids: dict[Any, int] = {}  # running or waiting requests' chosen ids
         self._stopped = False
         self.tokenizer = backend.tokenizer
         self.prompts = backend.prompts
@@ -247,12 +248,27 @@ class Engine:
     def add_request(self, prompt: str | list[int] | None = None,
                     params: SamplingParams | None = None, *, messages: list[dict] | None = None,
                     tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
-                    enable_thinking: bool | None = None) -> int:
-        """Queue a request (token ids, a raw prompt, or chat messages); returns its id."""
+                    enable_thinking: bool | None = None, request_id: Any = None) -> Any:
+        """Queue a request (token ids, a raw prompt, or chat messages); returns its id: the
+        caller's `request_id` if given (its Output carries it; one still running or waiting
+        is a ValueError), else a number of the engine's."""
+        if request_id is not None and request_id in self._caller_ids:
+            raise ValueError(f"request id {request_id!r} is already in use by a request that "
+                             "has not finished")
         ids = prompt_ids(self.prompts, prompt, messages=messages, tools=tools,
                          chat_template_kwargs=chat_template_kwargs,
                          enable_thinking=enable_thinking)
-        return self.add_tokens(ids, params or SamplingParams())
+        own = self.add_tokens(ids, params or SamplingParams())
+        if request_id is None:
+            return own
+        seq = self.scheduler.find(own)
+        if seq is None:  # refused at once: its Output is already made
+            done = next(o for o in self._finished if o.request_id == own)
+            done.request_id = request_id
+        else:
+            seq.caller_id = request_id
+            self._caller_ids[request_id] = own
+        return request_id
 
     def add_tokens(self, prompt: list[int], params: SamplingParams, inputs: Any = None) -> int:
         """Queue a request from token ids (and what the backend needs besides); its id."""
@@ -344,9 +360,9 @@ class Engine:
                 error = str(e)
         return error
 
-    def abort(self, request_id: int) -> bool:
+    def abort(self, request_id: Any) -> bool:
         """Stop a queued or running request; it finishes with reason `abort`."""
-        seq = self.scheduler.find(request_id)
+        seq = self.scheduler.find(self._caller_ids.get(request_id, request_id))
         if seq is None:
             return False
         self._finish(seq, FinishReason.ABORT, in_batch=True)
@@ -655,6 +671,8 @@ class Engine:
 
     def _emit(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         seq.status = Status.FINISHED
+        if seq.caller_id is not None:
+            self._caller_ids.pop(seq.caller_id, None)
         if seq.ttft is not None:
             self.stats.ttfts.append(seq.ttft)
         self.stats.completion_tokens += len(seq.tokens)

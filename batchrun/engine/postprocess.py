@@ -84,7 +84,8 @@ def make_output(seq: Sequence, reason: FinishReason, decode, error: str | None =
     if hit is not None:  # also one that only the last, held-back tokens completed
         text, reason = text[:hit], FinishReason.STOP
     return Output(
-        request_id=seq.id, text=text, token_ids=seq.tokens, finish_reason=reason,
+        request_id=seq.id if seq.caller_id is None else seq.caller_id, text=text,
+        token_ids=seq.tokens, finish_reason=reason,
         prompt_tokens=len(seq.prompt), cached_tokens=seq.cached, logprobs=seq.logprobs,
         top_logprobs=seq.top_logprobs, ttft_s=seq.ttft, error=error,
         constraint_complete=(seq.processor.complete if seq.processor

@@ -32,6 +32,7 @@ class Sequence:
     media: Media = ()  # where its images start in the prompt, and their digests
     status: Status = Status.WAITING
     uid: int | None = None  # the backend batch's id while RUNNING
+    caller_id: Any = None  # the id the caller chose (add_request's request_id), if any
     # What it generated (reset by a restart).
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
