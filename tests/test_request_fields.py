@@ -197,3 +197,27 @@ def test_a_completions_prompt_may_be_token_ids_or_a_list_of_prompts(tmp_path, de
     assert set(errors) == {"bad-id", "empty", "mixed"}
     assert all(e["code"] == "invalid_prompt" for e in errors.values())
     assert "token ids" in errors["bad-id"]["message"]
+
+
+def test_a_callers_logits_processors_run_as_mlx_lm_runs_them(engine, demo):
+    """SamplingParams(logits_processors=[f]): f(tokens, logits) -> logits each step, with the
+    row's tokens so far, as mlx-lm's generate_step calls it; alone or batched, the same."""
+    from mlx_lm.generate import generate_step
+
+    def no_repeat(tokens, logits):  # the token just before may not come again
+        return logits.at[..., tokens[-1]].add(-1e9) if tokens.size else logits
+
+    prompt = "Once upon a time there was"
+    ids = demo.tokenizer.encode(prompt)
+    want = [int(t) for t, _ in generate_step(mx.array(ids), demo.model, max_tokens=8,
+                                             logits_processors=[no_repeat])]
+    params = SamplingParams(max_tokens=8, logits_processors=[no_repeat])
+    alone = engine.generate([ids], params)[0].token_ids
+    batched = engine.generate([ids, "Another row", [1, 2, 3]], params)[0].token_ids
+    assert alone == batched == want[:len(alone)] and len(alone) >= 2
+    assert all(a != b for a, b in zip(alone, alone[1:], strict=False))
+    forced = engine.generate(["Hello"], SamplingParams(
+        max_tokens=4, logits_processors=[lambda t, x: x.at[..., 42].add(1e9)]))[0]
+    assert forced.token_ids == [42] * 4
+    with pytest.raises(ValueError, match="logits_processors"):
+        SamplingParams(logits_processors=["not callable"])

@@ -56,6 +56,10 @@ class SamplingParams:
     # answer may reason first, and the constraint applies after the block; False: a raw prompt,
     # never read as reasoning; None: the prompt decides (a template that opened a block).
     thinking: bool | None = None
+    # The caller's own logits processors, as mlx-lm takes them: processor(tokens, logits) ->
+    # logits, with the row's tokens so far (prompt and generated); run after penalties and
+    # bias, before a constraint's mask.
+    logits_processors: tuple = ()
 
     def __post_init__(self) -> None:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
@@ -92,6 +96,11 @@ class SamplingParams:
         _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                    for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
                "token ids")
+        _check(isinstance(self.logits_processors, tuple | list)
+               and all(callable(f) for f in self.logits_processors), "logits_processors",
+               self.logits_processors, "a list of callables (tokens, logits) -> logits")
+        if isinstance(self.logits_processors, list):
+            object.__setattr__(self, "logits_processors", tuple(self.logits_processors))
 
     @property
     def adjusts_logits(self) -> bool:

@@ -192,6 +192,7 @@ class TextBackend:
             else []
         if seq.thinking_budget is not None:
             processors.append(seq.thinking_budget)
+        processors.extend(seq.params.logits_processors)
         return processors + ([seq.processor] if seq.processor else [])
 
     def _row_caches(self, seqs: list[Sequence], blocks: list[list[Block]],

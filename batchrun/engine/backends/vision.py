@@ -283,7 +283,8 @@ class VisionBackend:
     def insert(self, seqs: list[Sequence], blocks: list[list], upcoming=()) -> list[int]:
         processors, samplers = [], []
         for seq in seqs:
-            row = [seq.processor] if seq.processor is not None else []
+            row = [*seq.params.logits_processors,
+                   *([seq.processor] if seq.processor is not None else [])]
             sampler = None
             if not seq.params.greedy:
                 wants = bool(seq.params.logprobs or seq.params.top_logprobs)
