@@ -33,6 +33,7 @@ LAYER = {
     "test_vision_prefix_cache.py": "engine",
     # job: whole jobs run in-process (the Python API, the command through CliRunner)
     "test_api.py": "job", "test_bad_input.py": "job", "test_bench.py": "job",
+    "test_contract_run_batch.py": "job", "test_contract_seed_engine.py": "engine",
     "test_csv_input.py": "job",
     "test_hostile_inputs.py": "job", "test_job.py": "job", "test_job_safety.py": "job",
     "test_parquet_output.py": "job", "test_report.py": "job",
