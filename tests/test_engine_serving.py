@@ -90,6 +90,7 @@ def test_stop_ends_running_requests_and_a_later_call_is_a_clear_error(engine):
     for call in (lambda: engine.generate("hi"), lambda: engine.chat(CHAT), engine.start):
         with pytest.raises(EngineStopped, match="stopped"):
             call()
+    assert engine.model is None  # the weights are let go
 
 
 def test_the_seed_engines_names(engine):

@@ -465,10 +465,16 @@ class Engine:
         self.serving.start()
 
     def stop(self) -> None:
-        """Stop the engine's thread (requests still running end with `abort`), and let go of
-        the model's caches as close() does; a call after it raises EngineStopped."""
+        """Stop the engine's thread (requests still running end with `abort`), write the
+        prefix cache's pending blocks as close() does, and let go of the model and MLX's
+        buffer cache; a call after it raises EngineStopped."""
         self.serving.stop()
         self.close()
+        # The weights go when the last reference does: the engine's and its backend's.
+        self.model = None
+        for name in ("model", "kv_model"):
+            if hasattr(self.backend, name):
+                setattr(self.backend, name, None)
         mx.clear_cache()  # the buffers MLX kept for reuse go back to the device
 
     def abort_request(self, request_id: int) -> bool:

@@ -164,33 +164,10 @@ class Stream:
         self._serving = serving
         self._add = add
 
-    def __iter__(self) -> Iterator[StreamOutput]:
-        events: queue.Queue = queue.Queue()
+    def _submit(self, post: Callable[[tuple], None]) -> None:
+        """Add the request; each step's progress (read on the serving thread, which holds
+        the engine's lock: the tokens of that very step) and the last output go to `post`."""
         progress = _Progress(self._serving.engine)
-        request = self._serving.submit(self._add, lambda out: events.put(("done", out)),
-                                       lambda: events.put(("step", None)))
-        while True:
-            kind, out = events.get()
-            update = progress.update(request, out) if kind == "done" else \
-                progress.update(request)
-            if update is not None:
-                yield update
-            if kind == "done":
-                return
-
-    def __aiter__(self) -> AsyncIterator[StreamOutput]:
-        return self._async()
-
-    async def _async(self) -> AsyncIterator[StreamOutput]:
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        progress = _Progress(self._serving.engine)
-
-        def post(item: tuple) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, item)
-
-        # Progress is read on the serving thread (it holds the engine's lock), the text
-        # handed over.
         holder: list[int] = []
 
         def on_step() -> None:
@@ -203,6 +180,24 @@ class Stream:
             post(("done", progress.update(out.request_id, out)))
 
         holder.append(self._serving.submit(self._add, on_done, on_step))
+
+    def __iter__(self) -> Iterator[StreamOutput]:
+        events: queue.Queue = queue.Queue()
+        self._submit(events.put)
+        while True:
+            kind, update = events.get()
+            if update is not None:
+                yield update
+            if kind == "done":
+                return
+
+    def __aiter__(self) -> AsyncIterator[StreamOutput]:
+        return self._async()
+
+    async def _async(self) -> AsyncIterator[StreamOutput]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        self._submit(lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
         while True:
             kind, update = await events.get()
             if update is not None:
