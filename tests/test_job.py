@@ -1,6 +1,7 @@
 """The batch job end to end: input shapes, output formats, resume, refusal, lock, reports."""
 
 import gzip
+import math
 import shutil
 from pathlib import Path
 
@@ -352,3 +353,69 @@ def test_the_report_command_prints_what_status_prints_of_the_records(tmp_path):
     status, report = invoke("status", job).output, invoke("report", job).output
     for line in ("labels:", "accuracy:", "row errors:"):
         assert line in status and line in report, line
+
+
+def test_an_answer_prefix_begins_every_chat_answer_and_results_hold_the_rest(tmp_path, demo):
+    """--answer-prefix "Sentiment:" (or a row's own final assistant message with
+    continue_final_message): the template renders it as the start of the assistant's turn,
+    the model goes on from it, and the result holds only what follows."""
+    from batchrun.engine.engine import Engine
+    from batchrun.engine.types import SamplingParams
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in [
+        {"review": "It broke after three days."}, {"review": "Lovely, works great."}]))
+    job = tmp_path / "job"
+    run(rows, "--job-dir", job, "--prompt-template", "Review: {review}",
+        "--answer-prefix", "Sentiment:", "--max-tokens", "4")
+    engine = Engine(demo.model, demo.tokenizer)
+    for record, review in zip(jsonl(job / "results.jsonl"), ("It broke after three days.",
+                                                              "Lovely, works great."),
+                              strict=True):
+        messages = [{"role": "user", "content": f"Review: {review}"},
+                    {"role": "assistant", "content": "Sentiment:"}]
+        ids = engine.prompts.encode_chat(messages, continue_final_message=True)
+        text = engine.prompts.tokenizer.decode(ids)
+        assert text.endswith("Sentiment:")  # inside the assistant's turn, not after it
+        want = engine.generate([ids], SamplingParams(max_tokens=4))[0]
+        assert record["text"] == want.text and record["usage"]["prompt_tokens"] == len(ids)
+        assert not record["text"].startswith("Sentiment:")
+    # a row's own begun answer does the same; without an assistant message to continue, the
+    # row's error
+    own = tmp_path / "own.jsonl"
+    own.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in [
+        {"messages": [{"role": "user", "content": "Review: It broke after three days."},
+                      {"role": "assistant", "content": "Sentiment:"}],
+         "continue_final_message": True, "max_tokens": 4},
+        {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}]))
+    run(own, "--job-dir", tmp_path / "own")
+    (result,) = jsonl(tmp_path / "own" / "results.jsonl")
+    assert result["text"] == jsonl(job / "results.jsonl")[0]["text"]
+    (error,) = jsonl(tmp_path / "own" / "errors.jsonl")
+    assert error["index"] == 1 and "continue_final_message" in error["error"]["message"]
+    # another prefix is another job
+    refused = run(rows, "--job-dir", job, "--prompt-template", "Review: {review}",
+                  "--answer-prefix", "Label:", "--max-tokens", "4", code=2)
+    assert "--answer-prefix" in refused.output
+
+
+def test_choices_are_scored_after_the_answer_prefix(tmp_path, demo):
+    from helpers import choice_logprob
+
+    from batchrun.engine.engine import Engine
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(orjson.dumps({"review": "It broke after three days."}) + b"\n")
+    job = tmp_path / "job"
+    run(rows, "--job-dir", job, "--prompt-template", "Review: {review}",
+        "--answer-prefix", "Sentiment:", "--choices", "positive,negative")
+    (record,) = jsonl(job / "results.jsonl")
+    engine = Engine(demo.model, demo.tokenizer)
+    prompt = engine.prompts.render([{"role": "user", "content": "Review: It broke after three "
+                                     "days."}, {"role": "assistant", "content": "Sentiment:"}],
+                                   continue_final_message=True)
+    logprobs = {c: choice_logprob(demo, prompt, c) for c in ("positive", "negative")}
+    total = sum(math.exp(v) for v in logprobs.values())
+    for choice, logprob in logprobs.items():
+        assert record["choice_probs"][choice] == pytest.approx(math.exp(logprob) / total,
+                                                               abs=1e-4)

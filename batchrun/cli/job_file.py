@@ -18,7 +18,7 @@ from batchrun.cli.options import STDIN
 # Job-file keys (TOML) and the `run` parameters they set; paths are relative to the job file.
 JOB_FILE_KEYS = ("input", "model", "output", "job_dir", "format", "max_concurrency",
                  "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                 "max_thinking_tokens", "served_model_name", "system",
+                 "max_thinking_tokens", "served_model_name", "system", "answer_prefix",
                  "prompt_template", "id_column", "expected_column", "keep_columns",
                  "memory_utilization", "prefill_batch_size",
                  "prefill_step_size", "weights", "cache_dir", "no_prefix_cache", "no_shared_prefix",

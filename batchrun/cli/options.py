@@ -100,6 +100,9 @@ label_options = Bundle("labels", "Labels and constraints", (
     option("--prompt-template", default=None,
            help='build a user message from row columns: "Classify: {review}"'),
     option("--system", default=None, help="system message prepended to chat rows"),
+    option("--answer-prefix", default=None,
+           help='begin every chat answer with this text ("Sentiment:"): the model goes on '
+                'from it, and results hold only what follows'),
     option("--choices", default=None,
            help="every answer is one of these comma-separated labels; each row also gets "
                 "choice_probs"),

@@ -248,7 +248,8 @@ class Engine:
     def add_request(self, prompt: str | list[int] | None = None,
                     params: SamplingParams | None = None, *, messages: list[dict] | None = None,
                     tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
-                    enable_thinking: bool | None = None, request_id: Any = None) -> Any:
+                    enable_thinking: bool | None = None, continue_final_message: bool = False,
+                    request_id: Any = None) -> Any:
         """Queue a request (token ids, a raw prompt, or chat messages); returns its id: the
         caller's `request_id` if given (its Output carries it; one still running or waiting
         is a ValueError), else a number of the engine's."""
@@ -257,7 +258,8 @@ class Engine:
                              "has not finished")
         ids = prompt_ids(self.prompts, prompt, messages=messages, tools=tools,
                          chat_template_kwargs=chat_template_kwargs,
-                         enable_thinking=enable_thinking)
+                         enable_thinking=enable_thinking,
+                         continue_final_message=continue_final_message)
         own = self.add_tokens(ids, params or SamplingParams())
         if request_id is None:
             return own

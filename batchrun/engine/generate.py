@@ -12,14 +12,16 @@ from batchrun.engine.types import SamplingParams
 def prompt_ids(prompts: Any, prompt: str | list[int] | None = None, *,
                messages: list[dict] | None = None, tools: list[dict] | None = None,
                chat_template_kwargs: dict | None = None,
-               enable_thinking: bool | None = None) -> list[int]:
+               enable_thinking: bool | None = None,
+               continue_final_message: bool = False) -> list[int]:
     """A request's token ids (from token ids, a raw prompt, or chat messages), encoded with a
     backend's prompts."""
     if (prompt is None) == (messages is None):
         raise ValueError("give exactly one of prompt (text or token ids) and messages")
     if messages is not None:
         return prompts.encode_chat(messages, tools=tools, enable_thinking=enable_thinking,
-                                   chat_template_kwargs=chat_template_kwargs)
+                                   chat_template_kwargs=chat_template_kwargs,
+                                   continue_final_message=continue_final_message)
     if isinstance(prompt, str):
         return prompts.encode(prompt)
     return [int(t) for t in prompt]

@@ -52,6 +52,7 @@ class LabelOptions:
 
     prompt_template: str | None = None
     system: str | None = None
+    answer_prefix: str | None = None  # the assistant's answer begins so; results hold the rest
     choices: str | list[str] | None = None
     json_schema: Path | None = None
     regex: str | None = None

@@ -218,11 +218,24 @@ def plan(input_path: Path, o: RunOptions):
                       media_timeout=float(timeout),
                       served_model_names=served_names(o.sampling.served_model_name),
                       expected_column=o.labels.expected_column,
+                      answer_prefix=_answer_prefix(o.labels.answer_prefix),
                       keep_columns=_keep_columns(o.io.keep_columns), limits=limits)
     if from_stdin:  # relative image paths in rows from stdin start at the current folder
         rows.base_dir = Path.cwd()
     spec = JobSpec(input_path, job_dir, output, o.model, rows, restart=o.restart, quiet=o.quiet)
     return spec, config, constraint, sources
+
+
+def _answer_prefix(prefix: str | None) -> str | None:
+    """--answer-prefix: a text (a shell's literal \\n warned of, as in --prompt-template)."""
+    if prefix is None:
+        return None
+    if not isinstance(prefix, str) or not prefix:
+        raise UsageError("--answer-prefix must not be empty")
+    if "\\n" in prefix:
+        log.warning("--answer-prefix holds a backslash and an n, not a line break (a shell "
+                    "keeps them): write $'...\\n...' in bash, or a real line break")
+    return prefix
 
 
 def _check_job_dir_path(job_dir: Path) -> None:

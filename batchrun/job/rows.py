@@ -62,6 +62,9 @@ class RowOptions:
     n: int = 1  # samples per row unless the row sets its own
     # Raises ConstraintError if a constraint does not compile for the model (the engine's).
     check_constraint: Any = None
+    # --answer-prefix: every chat row's answer begins with this text (the template renders it
+    # as the start of the assistant's turn); results hold what the model wrote after it.
+    answer_prefix: str | None = None
     # The model's tool-call markup where it is JSON between two markers ((start, end): Qwen's,
     # Hermes'), which `tool_choice` "required" or a named function constrains an answer to.
     tool_call_markup: tuple[str, str] | None = None
@@ -437,11 +440,21 @@ def _prompt_ids(body: dict, openai: str | None, prompts: PromptBuilder, options:
         kwargs = {**(kwargs or {}), "enable_thinking": body["enable_thinking"]}
     if body.get("tool_choice") == "none":  # no tools offered: the model cannot call one
         body = {**body, "tools": None}
+    continue_final = body.get("continue_final_message", False)
+    if not isinstance(continue_final, bool):
+        raise RowRejected("invalid_field", "continue_final_message must be true or false")
+    if options.answer_prefix is not None and isinstance(messages, list) and not continue_final:
+        messages = [*messages, {"role": "assistant", "content": options.answer_prefix}]
+        continue_final = True
     refs = _image_refs(messages, openai)
     if column_image is not None or refs:
+        if continue_final:
+            raise RowRejected("unsupported_field", "an answer begun for the model "
+                                                   "(continue_final_message, --answer-prefix) "
+                                                   "is not supported on rows with images")
         return _with_images(messages, refs, body, prompts, options, column_image, openai)
-    return prompts.encode_chat(messages, tools=body.get("tools"), chat_template_kwargs=kwargs), \
-        None
+    return prompts.encode_chat(messages, tools=body.get("tools"), chat_template_kwargs=kwargs,
+                               continue_final_message=continue_final), None
 
 
 MAX_PROMPTS = 64  # prompts one OpenAI completions row may list

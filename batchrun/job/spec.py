@@ -90,6 +90,8 @@ class JobSpec:
             options["expected_column"] = r.expected_column
         if r.keep_columns:  # the records carry them
             options["keep_columns"] = list(r.keep_columns)
+        if r.answer_prefix is not None:  # the prompts end with it
+            options["answer_prefix"] = r.answer_prefix
         return orjson.loads(orjson.dumps(options))  # as job.json stores it (tuples are lists)
 
 
@@ -214,6 +216,7 @@ OPTION_FLAGS = {"max_tokens": "--max-tokens", "temperature": "--temperature",
                 "stop": "--stop", "logprobs": "--logprobs", "top_logprobs": "--top-logprobs",
                 "constraint": "--json-schema, --choices or --regex",
                 "max_thinking_tokens": "--max-thinking-tokens", "system": "--system",
+                "answer_prefix": "--answer-prefix",
                 "prompt_template": "--prompt-template", "id_column": "--id-column", "n": "--n",
                 "image_column": "--image-column", "output": "-o",
                 "served_model_names": "--served-model-name",

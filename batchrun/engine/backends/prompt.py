@@ -49,8 +49,11 @@ class PromptBuilder:
         tools: list[dict] | None = None,
         chat_template_kwargs: dict | None = None,
         enable_thinking: bool | None = None,
+        continue_final_message: bool = False,
     ) -> str:
-        """The chat-templated prompt text, ending with the assistant's generation prompt."""
+        """The chat-templated prompt text, ending with the assistant's generation prompt; with
+        `continue_final_message`, ending inside the last message (an assistant's answer begun:
+        the model goes on from it), as transformers renders it."""
         if not getattr(self.tokenizer, "has_chat_template", False):
             raise PromptError("this model has no chat template: send rows with 'prompt' instead")
         kwargs = dict(chat_template_kwargs or {})
@@ -59,10 +62,15 @@ class PromptBuilder:
         messages = normalize_messages(messages)
         if tools is not None and not isinstance(tools, list):
             raise PromptError("tools must be a list of tool definitions")
+        if continue_final_message:
+            if messages[-1]["role"] != "assistant" or not messages[-1]["content"]:
+                raise PromptError("continue_final_message needs the last message to be the "
+                                  "assistant's, with the text the answer begins with")
+            kwargs["continue_final_message"] = True
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tools=tools or None, add_generation_prompt=True, tokenize=False,
-                **kwargs,
+                messages, tools=tools or None, add_generation_prompt=not continue_final_message,
+                tokenize=False, **kwargs,
             )
         except Exception as e:  # jinja errors: template raise_exception, bad structure
             raise PromptError(f"messages: the chat template failed: {e}") from e
