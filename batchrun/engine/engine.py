@@ -459,14 +459,16 @@ class Engine:
         outs = await asyncio.gather(*(self.serving.wait_async(add) for add in adds))
         return outs[0] if single else list(outs)
 
-    def start(self) -> None:
+    def start(self) -> Any:
         """Run the engine's steps on a thread of its own, so that callers on other threads or
-        in an event loop share one batch (generate, chat and streams wait for their own)."""
+        in an event loop share one batch (generate, chat and streams wait for their own).
+        Inside an event loop it may be awaited too, as vllm-mlx's is."""
         if self._stopped:
             raise EngineStopped("the engine is stopped: load one again with Engine.load")
         self.serving.start()
+        return _maybe_awaited(None)
 
-    def stop(self) -> None:
+    def stop(self) -> Any:
         """Stop the engine's thread (requests still running end with `abort`), write the
         prefix cache's pending blocks as close() does, and let go of the model and MLX's
         buffer cache; a call after it raises EngineStopped."""
@@ -478,11 +480,12 @@ class Engine:
             if hasattr(self.backend, name):
                 setattr(self.backend, name, None)
         mx.clear_cache()  # the buffers MLX kept for reuse go back to the device
+        return _maybe_awaited(None)
 
-    def abort_request(self, request_id: int) -> bool:
-        """abort() under the name vllm-mlx's engine gives it."""
+    def abort_request(self, request_id: Any) -> Any:
+        """abort() under the name vllm-mlx's engine gives it (awaitable in an event loop)."""
         with self.serving.lock:
-            return self.abort(request_id)
+            return _maybe_awaited(self.abort(request_id))
 
     def get_stats(self) -> dict:
         """What the engine did, as a dict: requests, tokens, rates, batch sizes, memory."""
@@ -760,6 +763,37 @@ def _one_prompt(prompts: Any) -> bool:
         return True
     return isinstance(prompts, list) and bool(prompts) and all(
         type(t) is int for t in prompts)
+
+
+class _Done:
+    """A value that may also be awaited: what start(), stop() and abort_request() return
+    inside an event loop, so that vllm-mlx's `await engine.stop()` and a plain call both work
+    (the work is done at the call either way)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __await__(self):
+        return self.value
+        yield  # a generator: awaiting it gives the value at once
+
+    def __bool__(self) -> bool:
+        return bool(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return self.value == (other.value if isinstance(other, _Done) else other)
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def _maybe_awaited(value: Any) -> Any:
+    return _Done(value) if _in_event_loop() else value
 
 
 def _in_event_loop() -> bool:

@@ -33,6 +33,11 @@ class StreamOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     output: Output | None = None
+    prompt_tokens: int = 0
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 class EngineStopped(RuntimeError):
@@ -98,9 +103,10 @@ class Serving:
                     if self._stopping:
                         return
                     finished = self.engine.step()
-                    for watchers in list(self._watched.values()):
+                    for request_id, watchers in list(self._watched.items()):
                         for watch in watchers:
-                            watch()
+                            if not _told(watch):  # its caller is gone: nobody reads it on
+                                self.engine.abort(request_id)
                     self._deliver(finished)
         except BaseException as e:  # every waiting caller hears of it, none waits forever
             with self.lock:
@@ -112,13 +118,21 @@ class Serving:
         for out in finished:
             self._watched.pop(out.request_id, None)
             for tell in self._done.pop(out.request_id, []):
-                tell(out)
+                _told(tell, out)
 
     def _fail(self, request_id: int, error: BaseException) -> None:
         self._watched.pop(request_id, None)
         for tell in self._done.pop(request_id, []):
-            tell(Output(request_id, "", [], FinishReason.ERROR, 0,
-                        error=f"the engine's thread failed: {error}"))
+            _told(tell, Output(request_id, "", [], FinishReason.ERROR, 0,
+                               error=f"the engine's thread failed: {error}"))
+
+    def abandon(self, request_id: int) -> None:
+        """The caller of a request went away (a stream closed early, an awaiting task
+        cancelled): it is aborted, nobody is told."""
+        with self.lock:
+            self._watched.pop(request_id, None)
+            self._done.pop(request_id, None)
+            self.engine.abort(request_id)
 
     # -- waiting for one request ----------------------------------------------------------------
 
@@ -142,8 +156,12 @@ class Serving:
         def done(out: Output) -> None:
             loop.call_soon_threadsafe(_settle, future, out)
 
-        self.submit(add, done)
-        return await future
+        request_id = self.submit(add, done)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self.abandon(request_id)
+            raise
 
     # -- streams ---------------------------------------------------------------------------------
 
@@ -156,6 +174,16 @@ def _settle(future: asyncio.Future, value: Any) -> None:
         future.set_result(value)
 
 
+def _told(tell: Callable, *args: Any) -> bool:
+    """Tell a caller; False if it cannot be told (its event loop closed, say): one caller's
+    going away never stops the engine's thread for the others."""
+    try:
+        tell(*args)
+    except Exception:  # noqa: BLE001  (any caller's failure is that caller's)
+        return False
+    return True
+
+
 class Stream:
     """A request's StreamOutputs, iterated (`for`) or awaited (`async for`); the request is
     added when iteration begins."""
@@ -164,7 +192,7 @@ class Stream:
         self._serving = serving
         self._add = add
 
-    def _submit(self, post: Callable[[tuple], None]) -> None:
+    def _submit(self, post: Callable[[tuple], None]) -> int:
         """Add the request; each step's progress (read on the serving thread, which holds
         the engine's lock: the tokens of that very step) and the last output go to `post`."""
         progress = _Progress(self._serving.engine)
@@ -180,16 +208,23 @@ class Stream:
             post(("done", progress.update(out.request_id, out)))
 
         holder.append(self._serving.submit(self._add, on_done, on_step))
+        return holder[0]
 
     def __iter__(self) -> Iterator[StreamOutput]:
         events: queue.Queue = queue.Queue()
-        self._submit(events.put)
-        while True:
-            kind, update = events.get()
-            if update is not None:
-                yield update
-            if kind == "done":
-                return
+        request_id = self._submit(events.put)
+        finished = False
+        try:
+            while True:
+                kind, update = events.get()
+                if update is not None:
+                    yield update
+                if kind == "done":
+                    finished = True
+                    return
+        finally:
+            if not finished:  # the caller stopped reading: the request stops too
+                self._serving.abandon(request_id)
 
     def __aiter__(self) -> AsyncIterator[StreamOutput]:
         return self._async()
@@ -197,13 +232,20 @@ class Stream:
     async def _async(self) -> AsyncIterator[StreamOutput]:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        self._submit(lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
-        while True:
-            kind, update = await events.get()
-            if update is not None:
-                yield update
-            if kind == "done":
-                return
+        request_id = self._submit(
+            lambda item: loop.call_soon_threadsafe(events.put_nowait, item))
+        finished = False
+        try:
+            while True:
+                kind, update = await events.get()
+                if update is not None:
+                    yield update
+                if kind == "done":
+                    finished = True
+                    return
+        finally:
+            if not finished:  # closed early or cancelled: the request stops too
+                self._serving.abandon(request_id)
 
 
 class _Progress:
@@ -214,17 +256,18 @@ class _Progress:
         self.engine = engine
         self.text = ""
         self.tokens = 0
+        self.prompt_tokens = 0
 
     def update(self, request_id: int, out: Output | None = None) -> StreamOutput | None:
         if out is not None:
             new = out.text[len(self.text):] if out.text.startswith(self.text) else out.text
             return StreamOutput(request_id, out.text, new, list(out.token_ids), True,
-                                out.finish_reason, out)
+                                out.finish_reason, out, out.prompt_tokens)
         with self.engine.serving.lock:
             seq = self.engine.scheduler.find(request_id)
             if seq is None or len(seq.tokens) == self.tokens:
                 return None
-            tokens = list(seq.tokens)
+            tokens, self.prompt_tokens = list(seq.tokens), len(seq.prompt)
         # A character whose bytes are not all in yet decodes as U+FFFD: the text stops before
         # it until a later step completes it (or the last output says what it is).
         text = self.engine.tokenizer.decode(tokens).rstrip("\ufffd")
@@ -232,4 +275,4 @@ class _Progress:
             return None
         new = text[len(self.text):] if text.startswith(self.text) else text
         self.text, self.tokens = text, len(tokens)
-        return StreamOutput(request_id, text, new, tokens)
+        return StreamOutput(request_id, text, new, tokens, prompt_tokens=self.prompt_tokens)

@@ -62,6 +62,9 @@ class SamplingParams:
     logits_processors: tuple = ()
 
     def __post_init__(self) -> None:
+        for name in ("stop", "stop_token_ids", "logit_bias", "logits_processors"):
+            if getattr(self, name) is None:  # as vllm-mlx reads None: none
+                object.__setattr__(self, name, ())
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
                "max_tokens", self.max_tokens, "an integer >= 1")
         _check(_finite(self.temperature) and self.temperature >= 0,
@@ -146,6 +149,11 @@ class Output:
     @property
     def completion_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def tokens(self) -> list[int]:
+        """token_ids, under the name vllm-mlx's outputs give them."""
+        return self.token_ids
 
     @property
     def usage(self) -> dict[str, int]:
