@@ -267,3 +267,24 @@ def test_a_vision_model_without_mlx_vlm_says_how_to_install_it(tmp_path, monkeyp
     assert result.exit_code == 1
     assert "pip install -e '.[vision]'" in result.output  # as the README says
     assert "--model" not in result.output  # no unrelated hint
+
+
+def test_a_vision_models_text_rows_take_an_answer_prefix(tmp_path):
+    """--answer-prefix on a vision-language model: its text rows' answers begin with it; a row
+    with an image is that row's error (not yet supported there), the job goes on."""
+    shutil.copy(IMAGES[0], tmp_path / "pic.png")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"custom_id": "text", "question": "What is red?"}\n'
+                    '{"custom_id": "image", "question": "What is it?", "image": "pic.png"}\n')
+    job = tmp_path / "job"
+    run(rows, "--model", MODEL, "--job-dir", job, "--prompt-template", "{question}",
+        "--image-column", "image", "--answer-prefix", "Answer:", "--max-tokens", "3")
+    (result,) = jsonl(job / "results.jsonl")
+    assert result["custom_id"] == "text"
+    (error,) = jsonl(job / "errors.jsonl")
+    assert error["custom_id"] == "image" and error["error"]["code"] == "unsupported_field"
+    plain = tmp_path / "plain"
+    run(rows, "--model", MODEL, "--job-dir", plain, "--prompt-template", "{question}",
+        "--image-column", "image", "--max-tokens", "3")
+    without = next(r for r in jsonl(plain / "results.jsonl") if r["custom_id"] == "text")
+    assert result["usage"]["prompt_tokens"] > without["usage"]["prompt_tokens"]

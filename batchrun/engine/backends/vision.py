@@ -96,10 +96,13 @@ class VisionPrompts:
             parts_messages.append({**m, "content": content})
         template_owner = self.processor if getattr(self.processor, "chat_template", None) \
             else self.tokenizer
+        kwargs = dict(chat_template_kwargs or {})
+        # an answer begun (the last message the assistant's): the text ends inside it
+        begun = bool(kwargs.get("continue_final_message"))
         try:
             return template_owner.apply_chat_template(
-                parts_messages, tools=tools, add_generation_prompt=True, tokenize=False,
-                **(chat_template_kwargs or {}))
+                parts_messages, tools=tools, add_generation_prompt=not begun, tokenize=False,
+                **kwargs)
         except Exception as e:  # a template error is the row's, never the job's
             raise PromptError(f"the chat template could not render the messages: {e}") from None
 
@@ -108,10 +111,19 @@ class VisionPrompts:
 
     def encode_chat(self, messages: list[dict], tools: list | None = None,
                     enable_thinking: bool | None = None,
-                    chat_template_kwargs: dict | None = None) -> list[int]:
+                    chat_template_kwargs: dict | None = None,
+                    continue_final_message: bool = False) -> list[int]:
         kwargs = dict(chat_template_kwargs or {})
         if enable_thinking is not None:
             kwargs["enable_thinking"] = enable_thinking
+        if continue_final_message:
+            from batchrun.engine.backends.prompt import PromptError
+
+            if not messages or not isinstance(messages[-1], dict) \
+                    or messages[-1].get("role") != "assistant" or not messages[-1].get("content"):
+                raise PromptError("continue_final_message needs the last message to be the "
+                                  "assistant's, with the text the answer begins with")
+            kwargs["continue_final_message"] = True
         return self.prepare(messages, [], tools, kwargs).input_ids
 
     def prepare(self, messages: list[dict], images: list, tools: list | None = None,
