@@ -253,32 +253,24 @@ class Engine:
         """Queue a request (token ids, a raw prompt, or chat messages); returns its id: the
         caller's `request_id` if given (its Output carries it; one still running or waiting
         is a ValueError), else a number of the engine's."""
-        if request_id is not None and request_id in self._caller_ids:
-            raise ValueError(f"request id {request_id!r} is already in use by a request that "
-                             "has not finished")
         ids = prompt_ids(self.prompts, prompt, messages=messages, tools=tools,
                          chat_template_kwargs=chat_template_kwargs,
                          enable_thinking=enable_thinking,
                          continue_final_message=continue_final_message)
-        own = self.add_tokens(ids, params or SamplingParams())
-        if request_id is None:
-            return own
-        seq = self.scheduler.find(own)
-        if seq is None:  # refused at once: its Output is already made
-            done = next(o for o in self._finished if o.request_id == own)
-            done.request_id = request_id
-        else:
-            seq.caller_id = request_id
-            self._caller_ids[request_id] = own
-        return request_id
+        return self.add_tokens(ids, params or SamplingParams(), request_id=request_id)
 
-    def add_tokens(self, prompt: list[int], params: SamplingParams, inputs: Any = None) -> int:
-        """Queue a request from token ids (and what the backend needs besides); its id."""
+    def add_tokens(self, prompt: list[int], params: SamplingParams, inputs: Any = None,
+                   request_id: Any = None) -> Any:
+        """Queue a request from token ids (and what the backend needs besides); its id (the
+        caller's `request_id`, as add_request)."""
         if self._stopped:
             raise EngineStopped("the engine is stopped (stop() or close() let go of its model "
                                 "and caches): load one again with Engine.load")
+        if request_id is not None and request_id in self._caller_ids:
+            raise ValueError(f"request id {request_id!r} is already in use by a request that "
+                             "has not finished")
         seq = Sequence(next(self._ids), list(prompt), params, params.max_tokens, inputs,
-                       media=inputs.media if inputs is not None else ())
+                       media=inputs.media if inputs is not None else (), caller_id=request_id)
         seq.thinking_opened = params.thinking is not False and \
             self.markup.opens_thinking(seq.prompt)
         constraint = params.constraint
@@ -295,7 +287,7 @@ class Engine:
                            f"the prompt ({len(prompt)} tokens) and its longest choice "
                            f"({longest} tokens) exceed the model's context of "
                            f"{self.context_length} tokens")
-                return seq.id
+                return seq.id if request_id is None else request_id
         if self.context_length:
             seq.max_tokens = min(seq.max_tokens, self.context_length - len(prompt))
         seq.start_output(self._stop_scanner(params))
@@ -304,7 +296,9 @@ class Engine:
             self._emit(seq, FinishReason.ERROR, error)
         else:
             self.scheduler.add(seq)
-        return seq.id
+            if request_id is not None:
+                self._caller_ids[request_id] = seq.id
+        return seq.id if request_id is None else request_id
 
     def encode_text(self, text: str) -> list[int]:
         """A text's token ids, no special tokens added."""
@@ -407,31 +401,17 @@ class Engine:
         single = prompt is not None or _one_prompt(prompts)
         given = [prompt if prompt is not None else prompts] if single else list(prompts)
         params = sampling_params(params, sampling)
-        adds = [functools.partial(self._add_prompt, p, params) for p in given]
-        if _in_event_loop():
-            return self._await_all(adds, single)
-        if self.serving.running:
-            outs = [self.serving.wait(add) for add in adds]
-        else:
-            ids = [add() for add in adds]
-            done = {o.request_id: o for o in self.run()}
-            outs = [done[i] for i in ids]
-        return outs[0] if single else outs
+        return self._complete([functools.partial(self._add_prompt, p, params) for p in given],
+                              single)
 
     def chat(self, messages: list[dict], tools: list[dict] | None = None,
              params: SamplingParams | None = None, *, chat_template_kwargs: dict | None = None,
              enable_thinking: bool | None = None, **sampling) -> Any:
         """One chat to the end: its Output (an awaitable inside a running event loop)."""
         params = sampling_params(params, sampling)
-        add = functools.partial(self.add_request, None, params, messages=messages, tools=tools,
-                                chat_template_kwargs=chat_template_kwargs,
-                                enable_thinking=enable_thinking)
-        if _in_event_loop():
-            return self._await_all([add], True)
-        if self.serving.running:
-            return self.serving.wait(add)
-        request_id = add()
-        return next(o for o in self.run() if o.request_id == request_id)
+        return self._complete([functools.partial(
+            self.add_request, None, params, messages=messages, tools=tools,
+            chat_template_kwargs=chat_template_kwargs, enable_thinking=enable_thinking)], True)
 
     def stream_generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                         **sampling) -> Stream:
@@ -453,6 +433,20 @@ class Engine:
         if is_chat(prompt):
             return self.add_request(messages=prompt, params=params)
         return self.add_request(prompt, params)
+
+    def _complete(self, adds: list, single: bool) -> Any:
+        """Run the requests `adds` queue to the end: their Outputs (the first alone if
+        `single`); awaitable inside an event loop, waited for on the engine's thread where it
+        runs, else stepped here."""
+        if _in_event_loop():
+            return self._await_all(adds, single)
+        if self.serving.running:
+            outs = [self.serving.wait(add) for add in adds]
+        else:
+            ids = [add() for add in adds]
+            done = {o.request_id: o for o in self.run()}
+            outs = [done[i] for i in ids]
+        return outs[0] if single else outs
 
     async def _await_all(self, adds: list, single: bool) -> Any:
         self.start()
@@ -630,11 +624,12 @@ class Engine:
         cache = self.prefix_cache
         if cache is None or not KEEP_PROMPTS or not getattr(self.backend, "keeps_prompts", False):
             return
-        rows = [s for s in rows if not s.media and s.block_keys
-                and any(k not in cache.blocks for k in s.block_keys)]
+        missing = [(s, sum(k not in cache.blocks for k in s.block_keys)) for s in rows
+                   if not s.media and s.block_keys]
+        rows = [s for s, n in missing if n]
         if not rows:
             return
-        new_blocks = sum(sum(k not in cache.blocks for k in s.block_keys) for s in rows)
+        new_blocks = sum(n for _, n in missing)
         line = KEEP_BELOW_LIMIT * self.memory_limit
         in_use = mx.get_active_memory()
         if in_use + new_blocks * self._block_bytes > line:

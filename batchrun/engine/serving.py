@@ -52,7 +52,7 @@ class Serving:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._done: dict[int, list[Callable[[Output], None]]] = {}
-        self._watched: dict[int, list[Callable[[], None]]] = {}  # told after every step
+        self._watched: dict[int, list[Callable[[int], None]]] = {}  # told after every step
         self.failure: BaseException | None = None
 
     @property
@@ -79,11 +79,12 @@ class Serving:
         with self.lock:
             for request_id in list(self._done):
                 self.engine.abort(request_id)
-            self._deliver(self.engine.run() if self.engine.has_work() else [])
+            self._deliver(self.engine.run())
 
     def submit(self, add: Callable[[], int], on_done: Callable[[Output], None],
-               on_step: Callable[[], None] | None = None) -> int:
-        """Add a request (`add` queues it, returns its id) whose Output goes to `on_done`."""
+               on_step: Callable[[int], None] | None = None) -> int:
+        """Add a request (`add` queues it, returns its id) whose Output goes to `on_done`;
+        `on_step` is called with its id after every step."""
         with self.lock:
             if self.failure is not None:
                 raise EngineStopped(f"the engine's thread failed: {self.failure}")
@@ -105,7 +106,8 @@ class Serving:
                     finished = self.engine.step()
                     for request_id, watchers in list(self._watched.items()):
                         for watch in watchers:
-                            if not _told(watch):  # its caller is gone: nobody reads it on
+                            # its caller gone: nobody reads it on
+                            if not _told(watch, request_id):
                                 self.engine.abort(request_id)
                     self._deliver(finished)
         except BaseException as e:  # every waiting caller hears of it, none waits forever
@@ -196,19 +198,16 @@ class Stream:
         """Add the request; each step's progress (read on the serving thread, which holds
         the engine's lock: the tokens of that very step) and the last output go to `post`."""
         progress = _Progress(self._serving.engine)
-        holder: list[int] = []
 
-        def on_step() -> None:
-            if holder:
-                update = progress.update(holder[0])
-                if update is not None:
-                    post(("step", update))
+        def on_step(request_id: int) -> None:
+            update = progress.update(request_id)
+            if update is not None:
+                post(("step", update))
 
         def on_done(out: Output) -> None:
             post(("done", progress.update(out.request_id, out)))
 
-        holder.append(self._serving.submit(self._add, on_done, on_step))
-        return holder[0]
+        return self._serving.submit(self._add, on_done, on_step)
 
     def __iter__(self) -> Iterator[StreamOutput]:
         events: queue.Queue = queue.Queue()

@@ -42,6 +42,14 @@ def record_line(record: dict) -> int | None:
     return line if type(line) is int else None
 
 
+def names_row(record: dict, index: int, line: int | None) -> bool:
+    """Whether an error record is row `index`'s: by its index (batchrun's records), else by
+    its input `line` (OpenAI's error lines carry no index)."""
+    if "index" in record:
+        return record["index"] == index
+    return line is not None and record_line(record) == line
+
+
 class InputError(Exception):
     """The input file as a whole cannot be read; str() names the file and the problem."""
 

@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrun.io.files import fsync_folder, temp_beside
-from batchrun.io.jsonl import InputError, record_line
+from batchrun.io.jsonl import InputError, names_row
 from batchrun.io.parquet import BATCH_ROWS  # rows per row group: the most rows held at once
 from batchrun.io.readers import is_parquet, read_rows
 
@@ -132,7 +132,7 @@ class ParquetOutput:
         rows = self._input.take(BATCH_ROWS)
         if rows.num_rows == 0:
             return 0
-        records = self._records.take(rows.num_rows, getattr(self._input, "lines", None))
+        records = self._records.take(rows.num_rows, self._input.lines)
         results = [pa.array([r.get(name) for r in records], type_)
                    for name, type_ in OUTPUT_COLUMNS]
         table = pa.Table.from_arrays([*rows.columns, *results], schema=self.schema)
@@ -173,6 +173,8 @@ class _ParquetRows:
         self.schema = self._file.schema_arrow
         self._batches = self._file.iter_batches(batch_size=BATCH_ROWS)
         self._rest: pa.RecordBatch | None = None
+        self._taken = 0
+        self.lines: list[int] = []  # the last take's rows' line numbers (a row's is index + 1)
 
     def take(self, n: int) -> pa.Table:
         parts, have = [], 0
@@ -185,6 +187,8 @@ class _ParquetRows:
             self._rest = self._rest.slice(part.num_rows)
             parts.append(part)
             have += part.num_rows
+        self.lines = list(range(self._taken + 1, self._taken + have + 1))
+        self._taken += have
         return pa.Table.from_batches(parts, schema=self.schema)
 
     def close(self) -> None:
@@ -200,10 +204,11 @@ class _JsonlRows:
         self.path = path
         self.schema = scan_jsonl_schema(path)
         self._rows = read_rows(path)
+        self.lines: list[int] = []  # the last take's rows' lines
 
     def take(self, n: int) -> pa.Table:
         raws = list(islice(self._rows, n))
-        self.lines = [r.line for r in raws]  # where OpenAI's error lines name their rows
+        self.lines = [r.line for r in raws]
         rows = [_row_value(r) for r in raws]
         arrays = []
         for f in self.schema:
@@ -322,26 +327,25 @@ class _CommittedRecords:
         self._next_error: dict | None = None
         self.index = 0  # the next row to take
 
-    def take(self, n: int, lines: list[int] | None = None) -> list[dict]:
+    def take(self, n: int, lines: list[int]) -> list[dict]:
         """The next n rows' records; `lines`, the rows' input lines, place error records
         that name a line instead of an index (OpenAI's)."""
         out = []
         with self._results, self._errors:
-            for i in range(n):
-                out.append(self._next(lines[i] if lines is not None else None))
+            for line in lines[:n]:
+                out.append(self._next(line))
                 self.index += 1
         return out
 
-    def _next(self, line: int | None = None) -> dict:
+    def _next(self, line: int) -> dict:
         if self._next_error is None:
             self._next_error = self._errors.next()
         e = self._next_error
-        if e is not None and "index" not in e and line is not None:
-            e = {**e, "index": self.index if record_line(e) == line else self.index + 1}
-        if e is not None and e.get("index") == self.index:
+        if e is not None and names_row(e, self.index, line):
             self._next_error = None
             return {"error": f"{e['error']['code']}: {e['error']['message']}"}
-        if e is not None and not (isinstance(e.get("index"), int) and e["index"] > self.index):
+        if e is not None and "index" in e and not (isinstance(e["index"], int)
+                                                   and e["index"] > self.index):
             raise RuntimeError(f"{self._errors.path} is out of order: record "
                                f"{e.get('index')!r} where row {self.index} was expected")
         r = self._results.next()

@@ -22,7 +22,7 @@ from pathlib import Path
 import orjson
 
 from batchrun.io.files import open_append
-from batchrun.io.jsonl import RawRow, record_line
+from batchrun.io.jsonl import RawRow, names_row
 from batchrun.job.sink import Record
 from batchrun.job.state import DIGESTS, DamagedFile, JobState, Progress
 
@@ -166,10 +166,8 @@ def _names_row(line: bytes, raw: RawRow, want_id: str, is_error: bool = False) -
         return False
     if not isinstance(d, dict) or d.get("custom_id") != want_id:
         return False
-    if "index" in d:
-        return d.get("index") == raw.index
-    if is_error or "response" in d and d.get("response") is None:
-        return record_line(d) == raw.line
+    if "index" in d or is_error or "response" in d and d.get("response") is None:
+        return names_row(d, raw.index, raw.line)
     return True
 
 
@@ -285,7 +283,7 @@ def ordered_records(results: Path, errors: Path, rows: Iterator[RawRow] | None =
     positions = ((raw.index, raw.line) for raw in rows) if rows is not None else \
         ((i, None) for i in itertools.count())
     for index, line in positions:
-        if pending_error is not None and _is_row(pending_error, index, line):
+        if pending_error is not None and names_row(pending_error, index, line):
             yield pending_error
             pending_error = next(err, None)
             continue
@@ -293,12 +291,6 @@ def ordered_records(results: Path, errors: Path, rows: Iterator[RawRow] | None =
         if record is None:
             return
         yield record
-
-
-def _is_row(error: dict, index: int, line: int | None) -> bool:
-    if "index" in error:
-        return error["index"] == index
-    return line is not None and record_line(error) == line
 
 
 def _records(path: Path) -> Iterator[dict]:
