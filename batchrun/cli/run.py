@@ -144,30 +144,33 @@ def _stdout_to_stderr(enabled: bool) -> Iterator[None]:
             os.close(saved)
 
 
-def _job_begun(input_path: Path, opts: dict) -> bool:
-    """Whether the job folder holds a job (its job.json): there is progress to resume."""
+def _job_folder(input_path: Path, job_dir: Path | None) -> Path | None:
+    """The job folder this command names (None for rows from stdin without --job-dir)."""
     from batchrun.job.spec import default_job_dir
 
-    job_dir = opts.get("job_dir")
     if job_dir is None and _is_dash(input_path):
-        return False
-    folder = Path(job_dir) if job_dir else default_job_dir(Path(input_path))
+        return None
+    return Path(job_dir) if job_dir else default_job_dir(Path(input_path))
+
+
+def _job_begun(input_path: Path, opts: dict) -> bool:
+    """Whether the job folder holds a job (its job.json): there is progress to resume."""
+    folder = _job_folder(input_path, opts.get("job_dir"))
     try:
-        return (folder / "job.json").is_file()
+        return folder is not None and (folder / "job.json").is_file()
     except OSError:
         return False
 
 
-def _saved_output(input_path: Path, job_dir: Path | None, from_stdin: bool) -> Path | None:
+def _saved_output(input_path: Path, job_dir: Path | None) -> Path | None:
     """The -o of the job in the job folder, if one is there (None: none, or its own
     results.jsonl; a damaged job.json is said when the job is checked)."""
     from batchrun.job.errors import JobError
-    from batchrun.job.spec import default_job_dir, saved_output
+    from batchrun.job.spec import saved_output
 
-    if job_dir is None and from_stdin:
-        return None
+    folder = _job_folder(input_path, job_dir)
     try:
-        return saved_output(Path(job_dir) if job_dir else default_job_dir(input_path))
+        return None if folder is None else saved_output(folder)
     except (JobError, OSError):
         return None
 
@@ -220,7 +223,7 @@ def _run(ctx: click.Context, input_path: Path, opts: dict, spooled: list[Path],
         # it ran with (printing a job's results takes no new job), else the folder's
         # results.jsonl.
         opts["output"] = None if opts.get("restart") else \
-            _saved_output(input_path, opts["job_dir"], from_stdin)
+            _saved_output(input_path, opts["job_dir"])
     if from_stdin:
         _check_stdin(opts, dry_run)
     elif not input_path.exists():

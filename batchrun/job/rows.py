@@ -65,8 +65,9 @@ class RowOptions:
     # --answer-prefix: every chat row's answer begins with this text (the template renders it
     # as the start of the assistant's turn); results hold what the model wrote after it.
     answer_prefix: str | None = None
-    # The model's tool-call markup where it is JSON between two markers ((start, end): Qwen's,
-    # Hermes'), which `tool_choice` "required" or a named function constrains an answer to.
+    # The model's tool-call markers where a call is JSON between two (Qwen's, Hermes'), as
+    # lark terms (Markup.json_tool_calls), which `tool_choice` "required" or a named function
+    # constrains an answer to.
     tool_call_markup: tuple[str, str] | None = None
     # Image rows (a vision model): decoded images cached by content, the folder relative
     # image paths start from, and the column that holds each row's image.

@@ -305,8 +305,7 @@ def check_template_columns(spec: JobSpec) -> None:
     _check_named_columns(spec, seen, whole)
     if has_prompts:
         return
-    names = [_column_name(c) for c in seen]
-    there = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+    there = _columns_there(seen)
     # A CSV header that is a JSON object: a JSONL file read as CSV
     looks_jsonl = input_format(spec.input) in ("csv", "tsv") and \
         any(str(c).lstrip().startswith("{") for c in seen)
@@ -360,12 +359,18 @@ def _check_named_columns(spec: JobSpec, seen: dict[str, None], whole: bool) -> N
     missing = [(flag, c) for flag, c in named if c not in seen]
     if not missing:
         return
-    names = [_column_name(c) for c in seen]
-    there = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+    there = _columns_there(seen)
     rows = "input's rows" if whole else f"input's first {TEMPLATE_SAMPLE:,} rows"
     flag, column = missing[0]
     raise InputMismatch(f"{flag} names column {_column_name(column)}, which the {rows} do not "
                         f"have; columns there: {there}")
+
+
+def _columns_there(seen: dict[str, None], most: int = 20) -> str:
+    """The columns the rows read have, for a message: the first `most`, then how many more."""
+    names = [_column_name(c) for c in seen]
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more"
+                                      if len(names) > most else "")
 
 
 def _column_name(name: str, limit: int = 40) -> str:
