@@ -35,8 +35,8 @@ DELIMITERS = {"csv": ",", "tsv": "\t"}
 _INTEGER = re.compile(rb"[+-]?(0|[1-9][0-9]*)")
 _LEADING_ZERO = re.compile(rb"[+-]?0[0-9]")  # 007, 0123.5: codes, kept as text
 _BOOLEANS = {b"true": True, b"false": False}
-# Column types by (path, size, mtime, delimiter): worked out once a process for a file.
-_kinds_seen: dict[tuple, dict[str, str]] = {}
+# (rows, column types) by (path, size, mtime, format): worked out once a process for a file.
+_scanned: dict[tuple, tuple[int, dict[str, str]]] = {}
 
 
 @contextlib.contextmanager
@@ -87,16 +87,24 @@ def _empty(path: Path) -> bool:
 
 def column_kinds(path: str | Path, fmt: str) -> dict[str, str]:
     """Each column's type ("int", "float", "bool" or "str") over the whole file."""
-    path = Path(path)
-    st = os.stat(path)
-    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns, fmt)
-    if key in _kinds_seen:
-        return _kinds_seen[key]
+    return _scan(Path(path), fmt)[1]
+
+
+def _scan(path: Path, fmt: str) -> tuple[int, dict[str, str]]:
+    """(rows, each column's type): one pass over the file, kept for the process while the
+    file's size and time are the same (the count, a resume's read and the run's agree)."""
     kinds: dict[str, set[str]] = {}
+    rows = 0
+    bad: list[tuple] = []
     with _reading(path, fmt):
+        st = os.stat(path)
+        key = (os.path.abspath(path), st.st_size, st.st_mtime_ns, fmt)
+        if key in _scanned:
+            return _scanned[key]
         if _empty(path):
-            return {}
-        for batch in _records(path, fmt, []):
+            return 0, {}
+        for batch in _records(path, fmt, bad):
+            rows += batch.num_rows
             for name, column in zip(batch.schema.names, batch.columns, strict=True):
                 left = kinds.setdefault(name, {"int", "float", "bool"})
                 for value in column.to_pylist():
@@ -106,8 +114,8 @@ def column_kinds(path: str | Path, fmt: str) -> dict[str, str]:
                         left &= _could_be(value)
     result = {name: next((k for k in ("int", "float", "bool") if k in left), "str")
               for name, left in kinds.items()}
-    _kinds_seen[key] = result
-    return result
+    _scanned[key] = rows + len(bad), result
+    return _scanned[key]
 
 
 def _could_be(value: bytes) -> set[str]:
@@ -126,13 +134,7 @@ def _could_be(value: bytes) -> set[str]:
 
 def count_delimited(path: str | Path, fmt: str) -> int:
     """Rows in the file (records after the header, good or not)."""
-    path = Path(path)
-    with _reading(path, fmt):
-        if _empty(path):
-            return 0
-        bad: list[tuple] = []
-        rows = sum(batch.num_rows for batch in _records(path, fmt, bad))
-        return rows + len(bad)
+    return _scan(Path(path), fmt)[0]
 
 
 def read_delimited(path: str | Path, fmt: str, start: int = 0) -> Iterator[RawRow]:
