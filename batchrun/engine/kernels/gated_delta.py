@@ -167,10 +167,12 @@ def _step(q, k, v, a, b, A_log, dt_bias, state, mask, lower_bound, allow_neg_eig
     None where the kernel does not take it."""
     from mlx_lm.models.gated_delta import compute_g, compute_lower_bound_g
 
+    # `a` has the decay's shape: where the kernel does not take the step, g is left for
+    # mlx-lm's rule to make (once)
+    if not gated_delta_step.takes(q, a, state):
+        return None
     g = compute_g(A_log, a, dt_bias) if lower_bound is None else \
         compute_lower_bound_g(A_log, a, dt_bias, lower_bound)
-    if not gated_delta_step.takes(q, g, state):
-        return None
     beta = mx.sigmoid(b) * (2.0 if allow_neg_eigval else 1.0)
     return gated_delta_step.step(q, k, v, g, beta, state, mask)
 

@@ -20,6 +20,7 @@ from functools import cache
 
 import mlx.core as mx
 
+from batchrun.engine.kernels.decode_attention import on_cuda
 from batchrun.engine.kernels.nvrtc import NvrtcError, compile_ptx
 
 log = logging.getLogger("batchrun")
@@ -109,14 +110,11 @@ def step(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
     return y[:, None], new
 
 
-def on_cuda() -> bool:
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
-
-
-def takes(q: mx.array, g: mx.array, state: mx.array | None) -> bool:
-    """Whether this step runs the kernel: CUDA, one position, a decay a head, a key width it
-    holds, a state given, and the kernel compiled and checked in this process."""
-    if not (ENABLED and not _refused and on_cuda() and q.shape[1] == 1 and g.ndim == 3
+def takes(q: mx.array, decay: mx.array, state: mx.array | None) -> bool:
+    """Whether this step runs the kernel: CUDA, one position, a decay a head (`decay`: g, or
+    an array of its shape), a key width it holds, a state given, and the kernel compiled and
+    checked in this process."""
+    if not (ENABLED and not _refused and on_cuda() and q.shape[1] == 1 and decay.ndim == 3
             and state is not None and q.shape[-1] % 32 == 0 and q.shape[-1] <= MAX_KEY_WIDTH):
         return False
     try:
