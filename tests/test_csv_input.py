@@ -129,3 +129,10 @@ def test_csv_on_stdin_without_format_is_refused_naming_it(tmp_path):
                                       "--prompt-template", "Review: {review}"], input=REVIEWS)
     assert result.exit_code == 2, result.output
     assert "reads like a CSV header: pass --format csv" in result.output
+
+
+def test_a_record_longer_than_a_megabyte_is_a_row_like_any_other(tmp_path):
+    path = write(tmp_path / "long.csv", b"id,text\n1,ok\n2," + b"x" * 3_000_000 + b"\n3,fine\n")
+    assert count_rows(path) == 3
+    rows = list(read_rows(path))
+    assert [r.error for r in rows] == [None] * 3 and len(rows[1].value["text"]) == 3_000_000

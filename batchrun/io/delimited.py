@@ -28,9 +28,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-from batchrun.io.jsonl import InputError, RawRow
+from batchrun.io.jsonl import MAX_LINE_BYTES, InputError, RawRow
 
-BLOCK_BYTES = 1 << 20
+# A block pyarrow parses at once; a record must fit in one: the row-bytes limit's default
+BLOCK_BYTES = MAX_LINE_BYTES
 DELIMITERS = {"csv": ",", "tsv": "\t"}
 _INTEGER = re.compile(rb"[+-]?(0|[1-9][0-9]*)")
 _LEADING_ZERO = re.compile(rb"[+-]?0[0-9]")  # 007, 0123.5: codes, kept as text
@@ -46,6 +47,8 @@ def _reading(path: Path, fmt: str):
         yield
     except (pa.ArrowException, OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "straddl" in first:  # pyarrow: a record longer than a block
+            first = f"a record is over {BLOCK_BYTES >> 20} MiB"
         raise InputError(f"{path} is not a readable {fmt.upper()} file ({first[:200]})") \
             from None
 
