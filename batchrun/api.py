@@ -334,6 +334,7 @@ def _stdin_bytes() -> BinaryIO:
 
 def _local_runner(job: Job):
     """The job runner with the model loaded in this process (a text or a vision engine)."""
+    from batchrun.engine.decoding.tool_grammar import ToolForm
     from batchrun.job.limits import image_cache
     from batchrun.job.runner import JobRunner
 
@@ -352,7 +353,7 @@ def _local_runner(job: Job):
         except ConstraintError as e:
             raise UsageError(str(e)) from None
     spec.rows.check_constraint = engine.check_constraint
-    spec.rows.tool_call_markup = engine.markup.json_tool_calls(engine.encode_text)
+    spec.rows.tool_form = ToolForm.of(engine.markup, engine.encode_text)
     return JobRunner(engine, spec, o.model or "demo", engine.model_path, device_name())
 
 

@@ -408,6 +408,6 @@ def test_tool_choice_on_a_tool_format_that_cannot_be_constrained_is_the_rows_err
     row = {"custom_id": "a", "url": "/v1/chat/completions", "body": body}
     # a model whose tool calls are not JSON between two markers: no markup to constrain to
     error = build_task(row, 0, 1, PromptBuilder(demo.tokenizer),
-                       RowOptions(tool_call_markup=None))
+                       RowOptions(tool_form=None))
     assert isinstance(error, RowError) and error.code == "unsupported_field"
     assert "cannot be constrained" in error.message

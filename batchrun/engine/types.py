@@ -175,7 +175,7 @@ class ConstraintError(ValueError):
 @dataclass(frozen=True, slots=True)
 class Constraint:
     """What a row's answer must match. `kind`: json_schema, json_object, regex, choices, or
-    lark (a grammar: tool_call's)."""
+    lark (a grammar: decoding.tool_grammar's)."""
 
     kind: str
     value: str | tuple[str, ...] = ""  # the schema as JSON text, the regex, or the choices
@@ -205,29 +205,6 @@ class Constraint:
         if not isinstance(pattern, str) or not pattern:
             raise ConstraintError("a regex must be a non-empty string")
         return cls("regex", pattern)
-
-    @classmethod
-    def tool_call(cls, tools: list[dict], start: str, end: str) -> Constraint:
-        """An answer that is one call of one of `tools` (OpenAI function tools), in a
-        tokenizer's JSON tool-call markup: `start`, a line, {"name": ..., "arguments": ...}
-        whose arguments match the tool's parameters, a line, `end`. The markers are lark
-        terms: a quoted string, or `<[id]>` for a marker that is one added token (the grammar
-        engine matches such a token only by its id)."""
-        calls = []
-        for tool in tools:
-            function = tool.get("function") if isinstance(tool, dict) else None
-            name = function.get("name") if isinstance(function, dict) else None
-            if not isinstance(name, str) or not name:
-                raise ConstraintError("each tool needs a function with a name")
-            parameters = function.get("parameters") or {"type": "object"}
-            if not isinstance(parameters, dict):
-                raise ConstraintError(f"tool {name!r}: parameters must be a JSON schema")
-            calls.append({"type": "object", "additionalProperties": False,
-                          "required": ["name", "arguments"],
-                          "properties": {"name": {"const": name}, "arguments": parameters}})
-        # compact JSON, as every constrained answer is (JSON_OPTIONS)
-        schema = json.dumps({"anyOf": calls, "x-guidance": JSON_OPTIONS}, sort_keys=True)
-        return cls("lark", f'start: {start} "\\n" call "\\n" {end}\ncall: %json {schema}')
 
     def grammar(self) -> str:
         """The llguidance grammar for this constraint."""

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchrun.engine.config import EngineConfig
+from batchrun.engine.decoding.tool_grammar import ToolForm
 from batchrun.engine.stats import EngineStats, SpeculationStats
 from batchrun.io.jsonl import RawRow
 from batchrun.job.errors import JobError, stop_signals
@@ -126,7 +127,7 @@ class SliceWorker(RowWork):
             row_options = dataclasses.replace(row_options, images=image_cache(row_options.limits))
         self.row_options = dataclasses.replace(
             row_options, check_constraint=self.engine.check_constraint,
-            tool_call_markup=self.engine.markup.json_tool_calls(self.engine.encode_text))
+            tool_form=ToolForm.of(self.engine.markup, self.engine.encode_text))
         self.model_name = model_name
         self.created = created
         self.job_id = job_id

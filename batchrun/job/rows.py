@@ -31,6 +31,7 @@ import orjson
 
 from batchrun.engine.backends.prompt import PromptBuilder, PromptError
 from batchrun.engine.decoding.constrain import response_format_constraint
+from batchrun.engine.decoding.tool_grammar import tool_call_constraint
 from batchrun.engine.types import Constraint, ConstraintError, SamplingParams
 from batchrun.io.jsonl import RawRow
 from batchrun.job.limits import RowLimits
@@ -65,10 +66,9 @@ class RowOptions:
     # --answer-prefix: every chat row's answer begins with this text (the template renders it
     # as the start of the assistant's turn); results hold what the model wrote after it.
     answer_prefix: str | None = None
-    # The model's tool-call markers where a call is JSON between two (Qwen's, Hermes'), as
-    # lark terms (Markup.json_tool_calls), which `tool_choice` "required" or a named function
-    # constrains an answer to.
-    tool_call_markup: tuple[str, str] | None = None
+    # How the model writes a tool call, where a grammar can write one (tool_grammar.ToolForm):
+    # `tool_choice` "required" or a named function constrains an answer to a call.
+    tool_form: Any = None
     # Image rows (a vision model): decoded images cached by content, the folder relative
     # image paths start from, and the column that holds each row's image.
     images: Any = None  # io.media.ImageCache
@@ -361,12 +361,12 @@ def tool_choice_constraint(body: dict, options: RowOptions) -> Constraint | None
     if any(body.get(name) is not None for name in GUIDED_FIELDS):
         raise RowRejected("invalid_field", "tool_choice and a response format or guided "
                                            "field cannot both constrain the answer")
-    if options.tool_call_markup is None:
+    if options.tool_form is None:
         raise RowRejected("unsupported_field",
                           f"tool_choice {_short(repr(choice), 80)}: this model's tool-call "
                           "format cannot be constrained; use \"auto\"")
     try:
-        constraint = Constraint.tool_call(chosen, *options.tool_call_markup)
+        constraint = tool_call_constraint(chosen, options.tool_form)
         if options.check_constraint is not None:
             options.check_constraint(constraint)
     except ConstraintError as e:

@@ -39,6 +39,9 @@ class Markup:
     tool_start: str | None = None
     tool_end: str | None = None
     tool_parser: Callable[[str, Any], Any] | None = None
+    # How calls are written, for a grammar (tool_grammar.FORMS): mlx-lm's parser's name, with
+    # Mistral's two forms apart; "bare" for a template that shows tools but has no markers.
+    tool_format: str | None = None
 
     @classmethod
     def of(cls, tokenizer: Any) -> Markup:
@@ -54,24 +57,9 @@ class Markup:
                    think_start_id=_single(start_ids), think_end_id=_single(end_ids),
                    tool_start=attr("tool_call_start") if attr("has_tool_calling") else None,
                    tool_end=attr("tool_call_end") if attr("has_tool_calling") else None,
-                   tool_parser=attr("tool_parser") if attr("has_tool_calling") else None)
-
-    def json_tool_calls(self, encode: Callable[[str], list[int]]) -> tuple[str, str] | None:
-        """The tool-call markers as lark terms where a call is JSON between them (mlx-lm's
-        json_tools parser: Qwen's and Hermes' format), which a grammar can constrain: `<[id]>`
-        for a marker that is one token (`encode` gives a text's ids), else the quoted text;
-        None for another format."""
-        parser = self.tool_parser
-        if parser is None or not self.tool_start or not self.tool_end:
-            return None
-        if not (getattr(parser, "__module__", "") or "").endswith(".json_tools"):
-            return None
-
-        def term(marker: str) -> str:
-            ids = encode(marker)
-            return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(marker)
-
-        return term(self.tool_start), term(self.tool_end)
+                   tool_parser=attr("tool_parser") if attr("has_tool_calling") else None,
+                   tool_format=_tool_format(attr("tool_parser") if attr("has_tool_calling")
+                                            else None, attr("chat_template")))
 
     @property
     def thinks(self) -> bool:
@@ -89,6 +77,16 @@ class Markup:
             if token == self.think_start_id:
                 return True
         return False
+
+
+def _tool_format(parser: Any, template: Any) -> str | None:
+    template = template if isinstance(template, str) else ""
+    if parser is None:
+        return "bare" if "tools" in template else None
+    name = (getattr(parser, "__module__", "") or "").rsplit(".", 1)[-1]
+    if name == "mistral":
+        return "mistral_args" if "[ARGS]" in template else "mistral_list"
+    return name
 
 
 def _single(ids: Any) -> int | None:
