@@ -20,7 +20,7 @@ LAYER = {
     "test_rows.py": "unit", "test_train_kernels.py": "unit",
     # engine: the real MLX engine on the tiny bundled models
     "test_chat_template.py": "engine", "test_constrained.py": "engine",
-    "test_tool_forms.py": "engine",
+    "test_tool_forms.py": "engine", "test_gguf.py": "engine",
     "test_contract_mlx_lm.py": "engine",
     "test_demo_model.py": "engine", "test_engine.py": "engine",
     "test_engine_backends.py": "engine", "test_engine_serving.py": "engine",

@@ -1,5 +1,6 @@
 """Small helpers the job-level tests share: run the CLI in-process, write and read JSONL."""
 
+import json
 import time
 from pathlib import Path
 
@@ -58,3 +59,64 @@ def choice_logprob(lm, prompt: str, choice: str) -> float:
     logits = lm.model(mx.array(ids + tokens)[None])[0].astype(mx.float32)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     return sum(logprobs[len(ids) - 1 + i, t].item() for i, t in enumerate(tokens))
+
+
+def write_gguf(model_dir: Path, out: Path, dtype: str = "float32") -> Path:
+    """An mlx-lm Llama folder written as llama.cpp's converter writes a GGUF file: its tensor
+    names, query and key rows permuted for llama.cpp's rotary layout, the tokenizer's
+    vocabulary, merges and chat template in the metadata."""
+    import mlx.core as mx
+
+    config = json.loads((model_dir / "config.json").read_text())
+    weights = mx.load(str(model_dir / "model.safetensors"))
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    tensors = {}
+    for name, w in weights.items():
+        stem, _, part = name.rpartition(".")
+        if stem == "model.embed_tokens":
+            target = "token_embd"
+        elif stem == "model.norm":
+            target = "output_norm"
+        elif stem == "lm_head":
+            target = "output"
+        else:
+            layer, rest = stem.removeprefix("model.layers.").split(".", 1)
+            target = f"blk.{layer}.{names[rest]}"
+        if target.endswith((".attn_q", ".attn_k")):
+            n = heads if target.endswith("attn_q") else kv_heads
+            w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2) \
+                .reshape(w.shape)
+        tensors[f"{target}.{part}"] = w.astype(getattr(mx, dtype))
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    tok_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    size = config["vocab_size"]
+    tokens, types = [f"<unused{i}>" for i in range(size)], [1] * size
+    for text, i in tok["model"]["vocab"].items():
+        tokens[i] = text
+    for added in tok["added_tokens"]:
+        tokens[added["id"]] = added["content"]
+        types[added["id"]] = 3 if added["special"] else 4
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
+    meta = {"general.architecture": "llama", "general.name": "batchrun test model",
+            "llama.embedding_length": u32(config["hidden_size"]),
+            "llama.block_count": u32(config["num_hidden_layers"]),
+            "llama.feed_forward_length": u32(config["intermediate_size"]),
+            "llama.attention.head_count": u32(heads),
+            "llama.attention.head_count_kv": u32(kv_heads),
+            "llama.attention.key_length": u32(config["head_dim"]),
+            "llama.attention.layer_norm_rms_epsilon": mx.array(config["rms_norm_eps"]),
+            "llama.rope.freq_base": mx.array(config["rope_theta"]),
+            "llama.context_length": u32(config["max_position_embeddings"]),
+            "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
+            "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": mx.array(types, dtype=mx.int32),
+            "tokenizer.ggml.merges": merges,
+            "tokenizer.ggml.eos_token_id": u32(2), "tokenizer.ggml.padding_token_id": u32(0),
+            "tokenizer.chat_template": tok_config["chat_template"]}
+    mx.save_gguf(str(out), tensors, meta)
+    return out

@@ -26,6 +26,7 @@ from batchrun.cli.cache import cache
 from batchrun.cli.errors import ROWS_FAILED, SIGNAL_EXITS, fail
 from batchrun.cli.job_file import JOB_FILE_KEYS, JOB_FILE_PATHS
 from batchrun.cli.jobs import ls, report, status
+from batchrun.cli.models import models
 from batchrun.cli.options import MAX_SEED, RUN_BUNDLES, STDIN
 from batchrun.cli.run import (
     describe_defaults,
@@ -78,6 +79,7 @@ cli.add_command(ls)
 cli.add_command(report)
 cli.add_command(bench)
 cli.add_command(cache)
+cli.add_command(models)
 
 
 def main() -> None:

@@ -238,11 +238,16 @@ def _run(ctx: click.Context, input_path: Path, opts: dict, spooled: list[Path],
     from batchrun.api import Job
     from batchrun.job import report as rp
     from batchrun.job.errors import EmptyInput, Interrupted, JobError, UsageError
+    from batchrun.models import ModelError
 
     try:
         job = Job(input_path, **opts)
     except UsageError as e:
         raise click.UsageError(str(e)) from None
+    except ModelError as e:  # a GGUF file that cannot be converted, a pull that failed
+        if debug:
+            raise
+        raise fail(str(e)) from None
     spec, job_dir = job.spec, job.spec.job_dir
     if moved:
         click.echo(f"output: {spec.output} (the job file's output, moved with --job-dir)",
@@ -385,6 +390,7 @@ def _dry_run_file(input_path: Path, opts: dict, debug: bool) -> str:
     from batchrun.io.jsonl import InputError
     from batchrun.job.errors import EmptyInput, JobError, UsageError
     from batchrun.job.spec import check_template_columns
+    from batchrun.models import ModelError
 
     try:
         job = Job(input_path, **opts)
@@ -396,6 +402,10 @@ def _dry_run_file(input_path: Path, opts: dict, debug: bool) -> str:
         return f"{e}: nothing to run"
     except JobError as e:
         raise fail(str(e), code=e.exit_code) from None
+    except ModelError as e:
+        if debug:
+            raise
+        raise fail(str(e)) from None
     _prepare(job, debug, dry_run=True)
     try:
         found = job.dry_run()

