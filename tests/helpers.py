@@ -61,10 +61,11 @@ def choice_logprob(lm, prompt: str, choice: str) -> float:
     return sum(logprobs[len(ids) - 1 + i, t].item() for i, t in enumerate(tokens))
 
 
-def write_gguf(model_dir: Path, out: Path, dtype: str = "float32") -> Path:
+def write_gguf(model_dir: Path, out: Path, dtype: str = "float32",
+               tokenizer: dict | None = None) -> Path:
     """An mlx-lm Llama folder written as llama.cpp's converter writes a GGUF file: its tensor
     names, query and key rows permuted for llama.cpp's rotary layout, the tokenizer's
-    vocabulary, merges and chat template in the metadata."""
+    vocabulary, merges and chat template in the metadata (or the `tokenizer` metadata given)."""
     import mlx.core as mx
 
     config = json.loads((model_dir / "config.json").read_text())
@@ -118,5 +119,14 @@ def write_gguf(model_dir: Path, out: Path, dtype: str = "float32") -> Path:
             "tokenizer.ggml.merges": merges,
             "tokenizer.ggml.eos_token_id": u32(2), "tokenizer.ggml.padding_token_id": u32(0),
             "tokenizer.chat_template": tok_config["chat_template"]}
+    if config.get("rope_scaling"):  # Llama 3.1's: llama.cpp stores each frequency's factor
+        from mlx_lm.models.rope_utils import Llama3RoPE
+
+        dims = config["head_dim"]
+        rope = Llama3RoPE(dims, base=config["rope_theta"], scaling_config=config["rope_scaling"])
+        tensors["rope_freqs.weight"] = rope._freqs / config["rope_theta"] ** (
+            mx.arange(0, dims, 2) / dims)
+    if tokenizer is not None:
+        meta = {k: v for k, v in meta.items() if not k.startswith("tokenizer.")} | tokenizer
     mx.save_gguf(str(out), tensors, meta)
     return out

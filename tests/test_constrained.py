@@ -106,6 +106,25 @@ def test_choice_probabilities_are_the_models_sequence_probabilities(demo):
         assert out.text in CHOICES and out.constraint_complete
 
 
+def test_a_prompt_ending_in_a_space_scores_choices_with_the_space_as_the_model_writes_them(
+        demo):
+    """An answer begun as "Label: " ends its prompt with a lone space token; the model would
+    have written the space into the label's first token. The choices are scored as " label"
+    after "Label:", and the answer is the label as given."""
+    engine = Engine(demo.model, demo.tokenizer, EngineConfig(max_concurrency=8),
+                    demo.context_length)
+    prompts = [review(i) + " Label: " for i in range(3)]
+    assert all(demo.tokenizer.decode(demo.tokenizer.encode(p)[-1:]) == " " for p in prompts)
+    for p in prompts:
+        engine.add_request(p, SamplingParams(constraint=Constraint.choices(CHOICES)))
+    for prompt, out in zip(prompts, engine.run(), strict=True):
+        assert out.prompt_tokens == len(demo.tokenizer.encode(prompt)) - 1
+        for choice in CHOICES:
+            assert out.choice_logprobs[choice] == pytest.approx(
+                choice_logprob(demo, prompt[:-1], " " + choice), abs=1e-3)
+        assert out.text in CHOICES
+
+
 def test_constrained_greedy_output_does_not_depend_on_batch_composition(demo):
     schema = Constraint.json_schema(SCHEMA)
     regex = Constraint.regex(r"[0-9]{3}-[a-z]{2,4}")

