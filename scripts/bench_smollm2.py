@@ -49,7 +49,8 @@ if widen == "1":
     mx.eval(model.parameters())
 rows = [json.loads(l) for l in open(rows_path)]
 prompts = [tok.apply_chat_template(
-    [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TEMPLATE.format(text=r["text"])},
+    [{"role": "system", "content": SYSTEM},
+     {"role": "user", "content": TEMPLATE.format(text=r["text"])},
      {"role": "assistant", "content": PREFIX}], continue_final_message=True) for r in rows]
 t1 = time.perf_counter()
 out = batch_generate(model, tok, prompts, max_tokens=2, prefill_batch_size=int(prefill),
@@ -64,7 +65,8 @@ def write_rows(path: Path, count: int) -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
     from bench_labeling import review
 
-    rows = [json.loads(line) for line in open(ROOT / "sample_data" / "reviews.jsonl")]
+    lines = (ROOT / "sample_data" / "reviews.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines if line.strip()]
     out = [{"id": r["id"], "text": r["review"]} for r in rows][:count]
     rng = random.Random(7)
     while len(out) < count:

@@ -62,8 +62,9 @@ def main(model: str, out: str) -> None:
         cases.append({"text": text, "prompt": prompt, "greedy": tokens, "top": tops})
     import llama_cpp
 
-    json.dump({"model": model.rsplit("/", 1)[-1], "llama_cpp_python": llama_cpp.__version__,
-               "cases": cases}, open(out, "w"), indent=None)
+    with open(out, "w") as f:
+        json.dump({"model": model.rsplit("/", 1)[-1],
+                   "llama_cpp_python": llama_cpp.__version__, "cases": cases}, f)
 
 
 if __name__ == "__main__":
