@@ -71,9 +71,11 @@ def write_gguf(model_dir: Path, out: Path, dtype: str = "float32",
     config = json.loads((model_dir / "config.json").read_text())
     weights = mx.load(str(model_dir / "model.safetensors"))
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    arch = config["model_type"]  # llama, qwen2 or qwen3: llama.cpp's names for them
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
              "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
     tensors = {}
     for name, w in weights.items():
@@ -87,7 +89,7 @@ def write_gguf(model_dir: Path, out: Path, dtype: str = "float32",
         else:
             layer, rest = stem.removeprefix("model.layers.").split(".", 1)
             target = f"blk.{layer}.{names[rest]}"
-        if target.endswith((".attn_q", ".attn_k")):
+        if arch == "llama" and target.endswith((".attn_q", ".attn_k")):
             n = heads if target.endswith("attn_q") else kv_heads
             w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2) \
                 .reshape(w.shape)
@@ -103,16 +105,17 @@ def write_gguf(model_dir: Path, out: Path, dtype: str = "float32",
         types[added["id"]] = 3 if added["special"] else 4
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
-    meta = {"general.architecture": "llama", "general.name": "batchrun test model",
-            "llama.embedding_length": u32(config["hidden_size"]),
-            "llama.block_count": u32(config["num_hidden_layers"]),
-            "llama.feed_forward_length": u32(config["intermediate_size"]),
-            "llama.attention.head_count": u32(heads),
-            "llama.attention.head_count_kv": u32(kv_heads),
-            "llama.attention.key_length": u32(config["head_dim"]),
-            "llama.attention.layer_norm_rms_epsilon": mx.array(config["rms_norm_eps"]),
-            "llama.rope.freq_base": mx.array(config["rope_theta"]),
-            "llama.context_length": u32(config["max_position_embeddings"]),
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    meta = {"general.architecture": arch, "general.name": "batchrun test model",
+            f"{arch}.embedding_length": u32(config["hidden_size"]),
+            f"{arch}.block_count": u32(config["num_hidden_layers"]),
+            f"{arch}.feed_forward_length": u32(config["intermediate_size"]),
+            f"{arch}.attention.head_count": u32(heads),
+            f"{arch}.attention.head_count_kv": u32(kv_heads),
+            f"{arch}.attention.key_length": u32(head_dim),
+            f"{arch}.attention.layer_norm_rms_epsilon": mx.array(config["rms_norm_eps"]),
+            f"{arch}.rope.freq_base": mx.array(config.get("rope_theta", 10000.0)),
+            f"{arch}.context_length": u32(config["max_position_embeddings"]),
             "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2",
             "tokenizer.ggml.tokens": tokens,
             "tokenizer.ggml.token_type": mx.array(types, dtype=mx.int32),

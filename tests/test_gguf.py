@@ -51,6 +51,20 @@ def test_a_gguf_of_the_demo_model_has_its_tokens_and_its_logits(tmp_path, cache)
     assert converted(gguf, cache) == Path(loaded.path)  # kept, not redone
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+def test_each_architecture_read_from_gguf_has_its_models_logits(tmp_path, cache, family):
+    """Qwen2 (biases on q, k, v), Qwen3 (q and k norms; no row permutation: llama.cpp
+    permutes only Llama's) and Llama, written as llama.cpp writes them."""
+    from batchrun.models.families import build_family
+
+    folder = build_family(tmp_path / family, family)
+    gguf = write_gguf(folder, tmp_path / f"{family}.gguf")
+    original, loaded = load_model(str(folder)), load_model(str(gguf))
+    assert loaded.config["model_type"] == family
+    ids = original.tokenizer.encode("Review: the backpack broke. Label:")
+    assert mx.abs(logits(loaded, ids) - logits(original, ids)).max().item() < 1e-4
+
+
 def test_a_job_runs_a_gguf_file_and_a_folder_holding_one_with_the_demo_models_answers(
         tmp_path, cache):
     (tmp_path / "in").mkdir()

@@ -14,7 +14,8 @@ from batchrun.models.fingerprint import weight_digests
 
 MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                "chat_template.json", "generation_config.json", "special_tokens_map.json",
-               "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json")
+               "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+               "gguf.json")  # a converted GGUF file's source: its SHA-256
 WEIGHT_FILES = ("*.safetensors", "*.gguf")
 # A vision model's image preprocessing changes its image KV without changing any token.
 VISION_FILES = ("preprocessor_config.json", "processor_config.json",

@@ -8,10 +8,10 @@ like any downloaded one, built with no download.
     python -m batchrun.models.build OUT --family qwen3 --size tiny --quantize 4bit
     python -m batchrun.models.build OUT --family qwen3_moe --size bench --quantize 4bit
 
-Families: llama, qwen3, qwen3_moe (mixture of experts), gpt_oss (experts and attention sinks),
-gemma3 (sliding window), qwen3_5 (gated-delta recurrent layers), granite_hybrid (Mamba-2 layers
-beside attention, Granite 4's hybrid). Sizes: `tiny` (a few MB, for
-tests on the CPU) and `bench` (the shapes the GPU benchmarks use). Quantizations: none, 4bit and
+Families: llama, qwen2 (biases on q, k and v), qwen3, qwen3_moe (mixture of experts), gpt_oss
+(experts and attention sinks), gemma3 (sliding window), qwen3_5 (gated-delta recurrent layers),
+granite_hybrid (Mamba-2 layers beside attention, Granite 4's hybrid). Sizes: `tiny` (a few MB,
+for tests on the CPU) and `bench` (the shapes the GPU benchmarks use). Quantizations: none, 4bit and
 8bit (affine, group 64; `-g32` / `-g128` for other groups), mxfp4 (gpt-oss's format), 4bit-mixed
 (embedding and head in 8-bit, as mixed recipes keep them) and 4bit-fullhead (embedding and head
 unquantized).
@@ -42,6 +42,13 @@ FAMILIES: dict[str, dict[str, dict]] = {
         "bench": dict(hidden_size=2048, num_hidden_layers=28, intermediate_size=6144,
                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
                       vocab_size=151936),
+    },
+    "qwen2": {
+        "tiny": dict(hidden_size=256, num_hidden_layers=2, intermediate_size=768,
+                     num_attention_heads=4, num_key_value_heads=2),
+        # Qwen2.5-1.5B's shape
+        "bench": dict(hidden_size=1536, num_hidden_layers=28, intermediate_size=8960,
+                      num_attention_heads=12, num_key_value_heads=2, vocab_size=151936),
     },
     "qwen3_moe": {
         "tiny": dict(hidden_size=256, num_hidden_layers=2, intermediate_size=768,
