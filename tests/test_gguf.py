@@ -5,6 +5,7 @@ checked against llama.cpp's own outputs (tests/data/smollm2_llamacpp_reference.j
 tools/reference/llamacpp_reference.py) and as a labeler."""
 
 import json
+import os
 import shutil
 import socket
 import struct
@@ -182,6 +183,17 @@ def test_what_cannot_be_run_is_one_clear_error_naming_it(tmp_path, cache):
     result = run(write_rows(tmp_path / "rows.jsonl", [{"prompt": "x"}]), "--model", gguf,
                  "--job-dir", tmp_path / "job", code=1)
     assert "Q4_K" in result.output and "Traceback" not in result.output
+    assert "GGUFError" not in result.output  # the handler for a model's faults, not a catch-all
+    fifo = tmp_path / "pipe.gguf"
+    os.mkfifo(fifo)
+    with pytest.raises(ModelError, match="not a regular file"):  # never opened: it would block
+        resolve(str(fifo))
+    w, meta = mx.load(str(write_gguf(RANDOM_DEMO_MODEL, tmp_path / "ok.gguf")),
+                      return_metadata=True)
+    meta["llama.block_count"] = mx.array(10**9, dtype=mx.uint32)
+    mx.save_gguf(str(tmp_path / "huge.gguf"), w, meta)
+    with pytest.raises(GGUFError, match="declares 1000000000 layers but holds tensors of 4"):
+        resolve(str(tmp_path / "huge.gguf"))  # refused before a model of that shape is built
 
 
 def test_an_architecture_without_a_mapping_is_refused_by_name(tmp_path, cache):

@@ -32,6 +32,7 @@ def models_ls(cache_dir: Path | None) -> None:
             f"not pulled ({named.size / 1e6:.0f} MB: batchrun models pull {named.name})"
         click.echo(f"{named.name:<10} {named.title}: {state}")
     for folder, source, size in converted_folders(root):
+        source = "".join(c if c.isprintable() else "?" for c in source)  # a file's own name
         click.echo(f"{'gguf':<10} {source}, converted: {size / 2**20:,.1f} MiB  {folder}")
 
 

@@ -231,7 +231,14 @@ def _run(ctx: click.Context, input_path: Path, opts: dict, spooled: list[Path],
     elif not input_path.is_file():
         raise fail(f"the input {input_path} is not a regular file", code=2)
     if not opts.get("vision"):
-        keep_torch_out(opts.get("model"))  # before anything imports transformers
+        from batchrun.models import ModelError
+
+        try:
+            keep_torch_out(opts.get("model"))  # before anything imports transformers
+        except ModelError as e:  # a GGUF file that cannot be converted, a pull that failed
+            if debug:
+                raise
+            raise fail(str(e)) from None
     if dry_run:
         return 0, _dry_run(input_path, opts, debug)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -72,9 +73,11 @@ def _converted(model: str) -> str | None:
     if named is None and not model.lower().endswith(".gguf") and not Path(model).is_dir():
         return None  # a Hugging Face id, or a path check_local explains
     try:
-        st = os.stat(model) if named is None else None
+        st = os.stat(os.path.expanduser(model)) if named is None else None
     except OSError:
         raise ModelError(f"model file not found: {model}") from None
+    if st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        raise ModelError(f"{model} is not a regular file")  # a FIFO, a device: never read
     key = (model, st and (st.st_ino, st.st_size, st.st_mtime_ns))
     if key not in _resolved:
         from batchrun.models.gguf import converted, gguf_in

@@ -23,6 +23,7 @@ import json
 import mmap
 import os
 import shutil
+import stat
 import struct
 import tempfile
 from pathlib import Path
@@ -75,7 +76,7 @@ def gguf_in(path: str) -> Path | None:
     if p.suffix.lower() == ".gguf" and not p.is_dir():
         return p
     if p.is_dir() and not (p / "config.json").exists():
-        found = sorted(q for q in p.glob("*.gguf") if q.is_file())
+        found = sorted(q for q in p.glob("*.gguf") if q.is_file() and not q.is_symlink())
         if len(found) > 1:
             raise GGUFError(f"{path} holds {len(found)} GGUF files; pass the one to run")
         return found[0] if found else None
@@ -211,10 +212,11 @@ def converted(path: Path, cache_root: Path) -> Path:
             convert(path, work)
             (work / "gguf.json").write_text(json.dumps(
                 {"source": path.name, "sha256": digest, "converter": CONVERTER}))
-            if target.is_symlink() or target.is_file():
-                target.unlink()
-            elif target.exists():
-                shutil.rmtree(target)
+            if os.path.lexists(target):
+                if stat.S_ISDIR(os.lstat(target).st_mode):
+                    shutil.rmtree(target)
+                else:  # a file, a link, a FIFO: removed, never opened
+                    target.unlink()
             os.replace(work, target)
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
@@ -239,14 +241,47 @@ def convert(path: Path, folder: Path) -> None:
         raise GGUFError(f"{path.name} is a {arch or 'unnamed'} model; batchrun runs GGUF files "
                         f"of {', '.join(sorted(ARCHITECTURES))} models (others: convert the "
                         "original with mlx_lm.convert)")
-    config = _config(meta, arch, weights)
+    try:
+        config = _config(meta, arch, weights)
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
+        if isinstance(e, GGUFError):
+            raise
+        raise GGUFError(f"{path.name}: its {arch} hyperparameters are not valid numbers") \
+            from None
+    _check_shape(config, weights, path.name)
     weights, quantization = _weights(weights, config, arch)
     if quantization:
         config["quantization"] = quantization
     folder.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(folder / "model.safetensors"), weights, metadata={"format": "mlx"})
     (folder / "config.json").write_text(json.dumps(config, indent=1))
-    _write_tokenizer(meta, folder, path.name)
+    try:
+        _write_tokenizer(meta, folder, path.name)
+    except GGUFError:
+        raise
+    except Exception as e:  # noqa: BLE001  (the tokenizers library on a hostile vocabulary)
+        raise GGUFError(f"{path.name}: its tokenizer cannot be built from the file's "
+                        f"vocabulary ({type(e).__name__})") from None
+
+
+def _check_shape(config: dict, weights: dict, source: str) -> None:
+    """The hyperparameters against the tensors the file holds, before a model of that shape
+    is built (a file could declare a billion layers)."""
+    layers = {name.split(".")[1] for name in weights if name.startswith("blk.")}
+    if not all(i.isascii() and i.isdigit() and str(int(i)) == i for i in layers) or \
+            {int(i) for i in layers} != set(range(config["num_hidden_layers"])):
+        raise GGUFError(f"{source} declares {config['num_hidden_layers']} layers but holds "
+                        f"tensors of {len(layers)}")
+    embedding = weights.get("token_embd.weight")
+    if embedding is None or embedding.shape[0] != config["vocab_size"] or not (
+            embedding.shape[-1] == config["hidden_size"]
+            or embedding.shape[-1] * 32 // 4 == config["hidden_size"]
+            or embedding.shape[-1] * 32 // 8 == config["hidden_size"]):
+        raise GGUFError(f"{source}: its token embedding does not match the vocabulary and "
+                        "width it declares")
+    if min(config["num_attention_heads"], config["num_key_value_heads"],
+           config["hidden_size"], config["intermediate_size"]) <= 0:
+        raise GGUFError(f"{source} declares a width or head count of 0")
 
 
 def _value(meta: dict, key: str, default: Any = None) -> Any:

@@ -274,8 +274,16 @@ def _convert(model: Any, chosen: list[tuple[str, Any]], dtype) -> None:
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
     for name, m in chosen:
-        weight = mx.dequantize(m.weight, m.scales, getattr(m, "biases", None), m.group_size,
-                               m.bits, getattr(m, "mode", "affine")).astype(dtype)
+        # In float32: dequantize computes in its scales' dtype, and half-precision scales
+        # would round every weight to half precision before the widening (a 4-bit model
+        # with bfloat16 scales then answered unlike mlx-lm's own quantized matmuls, which
+        # compute in float32).
+        scales, biases = m.scales, getattr(m, "biases", None)
+        if scales.dtype in (mx.float16, mx.bfloat16):
+            scales = scales.astype(mx.float32)
+            biases = biases.astype(mx.float32) if biases is not None else None
+        weight = mx.dequantize(m.weight, scales, biases, m.group_size, m.bits,
+                               getattr(m, "mode", "affine")).astype(dtype)
         bias = getattr(m, "bias", None) if "bias" in m else None
         if isinstance(m, nn.QuantizedEmbedding):
             new = nn.Embedding(*weight.shape)

@@ -214,6 +214,9 @@ def _xml_value(schema: Any) -> str:
         [schema["const"]] if "const" in schema else None)
     if isinstance(values, list) and values and all(isinstance(v, str) for v in values) \
             and kind in (None, "string"):
+        if any("</parameter>" in v or "<parameter=" in v or "</function>" in v
+               for v in values):  # the value would close its own tag: an argument injected
+            raise ConstraintError("an enum value holds this model's call markup")
         return "(" + " | ".join(_quote(v) for v in values) + f") {close}"
     if kind == "string":
         low, high = schema.get("minLength", 0), schema.get("maxLength")
