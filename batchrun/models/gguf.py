@@ -268,8 +268,9 @@ def _check_shape(config: dict, weights: dict, source: str) -> None:
     """The hyperparameters against the tensors the file holds, before a model of that shape
     is built (a file could declare a billion layers)."""
     layers = {name.split(".")[1] for name in weights if name.startswith("blk.")}
-    if not all(i.isascii() and i.isdigit() and str(int(i)) == i for i in layers) or \
-            {int(i) for i in layers} != set(range(config["num_hidden_layers"])):
+    count = config["num_hidden_layers"]
+    if len(layers) != count or not all(
+            i.isascii() and i.isdigit() and str(int(i)) == i and int(i) < count for i in layers):
         raise GGUFError(f"{source} declares {config['num_hidden_layers']} layers but holds "
                         f"tensors of {len(layers)}")
     embedding = weights.get("token_embd.weight")
