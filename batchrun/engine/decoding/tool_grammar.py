@@ -152,25 +152,27 @@ def _properties(name: str, parameters: dict) -> list[tuple[str, dict, bool]] | N
             + [(key, properties[key], False) for key in properties if key not in required])
 
 
-def _sequence(items: list[tuple[str, bool]], separator: str) -> str:
+def _sequence(items: list[tuple[str, bool]], separator: str, rules: list[str],
+              name: str) -> str:
     """A lark expression for the items in order, separated, the required ones always there and
-    the others optional ("" where nothing is written)."""
-    sep = f" {_quote(separator)} " if separator else " "
+    the others optional ("" where nothing is written). The optional items' tails are rules
+    (named from `name`, added to `rules`), so the grammar grows with the items, not their
+    square."""
+    sep = f"{_quote(separator)} " if separator else ""
     required = [term for term, needed in items if needed]
     optional = [term for term, needed in items if not needed]
+
+    def tail(k: int) -> str:  # the optional items from k on, each after a separator
+        return f" {name}_tail{k}" if k < len(optional) else ""
+
+    for k, term in enumerate(optional):
+        rules.append(f"{name}_tail{k}: ({sep}{term})?{tail(k + 1)}")
     if required:
-        text = sep.join(required)
-        return text + "".join(f" ({sep.strip()} {term})?" if separator else f" ({term})?"
-                              for term in optional)
+        return f" {sep}".join(required) + tail(0)
     if not optional:
         return ""
     # nothing required: the first argument written has no separator before it
-    alternatives = []
-    for i, first in enumerate(optional):
-        rest = "".join(f" ({sep.strip()} {term})?" if separator else f" ({term})?"
-                       for term in optional[i + 1:])
-        alternatives.append(first + rest)
-    return "(" + " | ".join(alternatives) + ")?"
+    return "(" + " | ".join(term + tail(k + 1) for k, term in enumerate(optional)) + ")?"
 
 
 def _pythonic(functions, form: ToolForm) -> str:
@@ -193,7 +195,7 @@ def _pythonic(functions, form: ToolForm) -> str:
                                           f"by keyword, and {key!r} is not a Python name")
                 rules.append(f"value{i}_{j}: {_json(schema)}")
                 items.append((f'{_quote(key + "=")} value{i}_{j}', needed))
-            arguments = _sequence(items, ", ")
+            arguments = _sequence(items, ", ", rules, f"args{i}")
         rules.append(f'call{i}: {_quote(name + "(")} {arguments} ")"')
     return "\n".join(rules) + "\n"
 
@@ -203,9 +205,10 @@ def _pythonic(functions, form: ToolForm) -> str:
 _XML_TEXT = r"/(?s:.{%s})\n<\/parameter>/ & ~/(?s:.*)<\/parameter>(?s:.+)/"
 
 
-def _xml_value(schema: Any) -> str:
+def _xml_value(schema: Any) -> str | None:
     """The lark for an argument's value and its closing `</parameter>` line, as
-    mlx-lm's qwen3_coder parser reads it back (by the schema's type)."""
+    mlx-lm's qwen3_coder parser reads it back (by the schema's type); None for a free string,
+    whose terminal (by its length range) the caller names."""
     close = '"\\n</parameter>"'
     if not isinstance(schema, dict):
         return f"{_json({})} {close}"
@@ -257,7 +260,7 @@ def _xml(functions, form: ToolForm) -> str:
                 rules.append(f"value{i}_{j}: {value}")
                 items.append((f'{_quote(f"<parameter={key}>" + chr(10))} value{i}_{j} "\\n"',
                               needed))
-            arguments = _sequence(items, "")
+            arguments = _sequence(items, "", rules, f"args{i}")
         rules.append(f'call{i}: {_quote(f"<function={name}>" + chr(10))} {arguments} '
                      '"</function>"')
     return "\n".join(rules) + "\n"
