@@ -78,7 +78,9 @@ def test_callers_on_many_threads_share_the_started_engine(engine):
 
 def test_stop_ends_running_requests_and_a_later_call_is_a_clear_error(engine):
     engine.start()
-    stream = iter(engine.stream_generate("Once upon a time", max_tokens=10_000))
+    # min_tokens bars EOS, so only stop() can end the row however slowly this thread reads
+    stream = iter(engine.stream_generate("Once upon a time", max_tokens=10_000,
+                                         min_tokens=10_000))
     first = next(stream)
     assert not first.finished
     request_id = first.request_id
