@@ -30,6 +30,9 @@
 #   agree: greedy tokens of batchrun (auto weights) against mlx-lm's own generation of the
 #          model as loaded, on the labeling rows (check_greedy_agreement.py; $BQ_AGREE_ROWS of
 #          them): qwen3 bf16 (the baseline), qwen3 4-bit, then the 4-bit mixture of experts.
+#   agreetrained: the same comparison on a trained checkpoint, whose next-token distributions
+#          are peaked as a real model's are: sample_data/demo-trained converted by mlx-lm to
+#          bf16 and to 4-bit (group 64) from bf16.
 #   sliding: labeling (batchrun cold/warm, the peer) for the sliding-window shapes (gemma3 and
 #          gpt_oss, bf16): rows start from cached blocks, each holding its copy of them.
 #   hybrid: labeling (batchrun cold/warm, the peer) for the hybrid recurrent shapes (qwen3_5,
@@ -287,6 +290,23 @@ agree() {
     "$OUT/agree-moe-q4" --rows "$rows" --instruction "$LAB_WORDS" --max-tokens "$LAB_TOKENS"
 }
 
+agreetrained() {
+  local t=$W/models/trained-bf16 q=$W/models/trained-q4
+  local rows=${BQ_AGREE_ROWS:-$LAB_ROWS}
+  rm -rf "$t" "$q"
+  item agreetrained convert-trained 120 30 $PY -m mlx_lm convert --hf-path \
+    sample_data/demo-trained --mlx-path "$t" --dtype bfloat16 || return 1
+  item agreetrained convert-trained-q4 120 30 $PY -m mlx_lm convert --hf-path \
+    sample_data/demo-trained --mlx-path "$q" --dtype bfloat16 -q --q-bits 4 \
+    --q-group-size 64 || return 1
+  item agreetrained agree-trained-bf16 200 40 $PY scripts/check_greedy_agreement.py "$t" \
+    "$OUT/agree-trained-bf16" --rows "$rows" --instruction "$LAB_WORDS" \
+    --max-tokens "$LAB_TOKENS"
+  item agreetrained agree-trained-q4 200 40 $PY scripts/check_greedy_agreement.py "$q" \
+    "$OUT/agree-trained-q4" --rows "$rows" --instruction "$LAB_WORDS" \
+    --max-tokens "$LAB_TOKENS"
+}
+
 sliding() {
   local g=$W/models/gemma3-bf16 o=$W/models/gptoss-bf16
   builds sliding gemma3-bf16 gemma3 none gptoss-bf16 gpt_oss none || return 1
@@ -370,8 +390,10 @@ s.sort_stats('cumulative').print_stats(45)" >"$OUT/prof-$run.txt" 2>&1
 
 for phase in "$@"; do
   case $phase in
-    dense|moe|probe|moedecode|agree|sliding|hybrid|choices|hybridfix|recheck|hybridprof) ;;
-    *) echo "unknown phase $phase (dense, moe, probe, moedecode, agree, sliding, hybrid," \
+    dense|moe|probe|moedecode|agree|agreetrained|sliding|hybrid|choices|hybridfix|recheck|\
+      hybridprof) ;;
+    *) echo "unknown phase $phase (dense, moe, probe, moedecode, agree, agreetrained, sliding," \
+         "hybrid," \
          "choices, hybridfix, recheck, hybridprof)" >&2
        exit 2 ;;
   esac

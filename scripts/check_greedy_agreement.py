@@ -8,8 +8,10 @@ the engine with its weight plan (on CUDA a quantized model's layers are dequanti
 its rounding differs from the quantized kernels'), every row in one batch, a cold prefix cache.
 mlx-lm: `generate_step` on each row alone, on the model as loaded. Reported: the share of rows
 whose greedy tokens are identical, the share whose first token is, where the others first
-differ, and the largest difference of a chosen token's log-probability over the positions
-before the first difference. Writes OUT_DIR/greedy_agreement.json.
+differ, the largest difference of a chosen token's log-probability over the positions before
+the first difference, and the rows identical to mlx-lm's generation on the weights as the plan
+holds them (which separates the plan's rounding from the engine's arithmetic).
+Writes OUT_DIR/greedy_agreement.json.
 """
 
 import argparse
@@ -30,13 +32,18 @@ from mlx_lm.generate import generate_step
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.types import SamplingParams
+from batchrun.models.weights import plan_and_apply
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_labeling import write_rows  # noqa: E402
 
 
-def mlx_lm_rows(model_path: str, rows: list[list[dict]], max_tokens: int):
+def mlx_lm_rows(model_path: str, rows: list[list[dict]], max_tokens: int, plan: str = ""):
+    """mlx-lm's generation of each row alone; with `plan`, on the weights batchrun's plan
+    holds (the engine's arithmetic apart from its weights' rounding)."""
     model, tokenizer = load(model_path)
+    if plan:
+        plan_and_apply(model, plan)
     eos = set(tokenizer.eos_token_ids)
     out = []
     for messages in rows:
@@ -70,6 +77,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as cache:
         engine = Engine.load(args.model, EngineConfig(weights=args.weights, cache_dir=cache))
         plan = engine.weight_plan.describe()
+        changed = engine.weight_plan.changed
         outs = engine.generate(rows, SamplingParams(max_tokens=args.max_tokens, logprobs=True))
         engine.close()
         del engine
@@ -78,6 +86,8 @@ def main() -> None:
     start = time.perf_counter()
     theirs = mlx_lm_rows(args.model, rows, args.max_tokens)
     mlx_lm_s = time.perf_counter() - start
+    # mlx-lm on the planned weights: a difference there is the engine's, not the plan's
+    planned = mlx_lm_rows(args.model, rows, args.max_tokens, args.weights) if changed else theirs
 
     identical = first = 0
     where: Counter = Counter()
@@ -100,7 +110,10 @@ def main() -> None:
         "device": str(mx.default_device()), "rows": len(rows), "max_tokens": args.max_tokens,
         "identical_rows": identical, "identical_share": identical / len(rows),
         "identical_first_token": first, "first_difference_at": dict(sorted(where.items())),
-        "largest_logprob_difference": largest, "engine_s": round(engine_s, 2),
+        "largest_logprob_difference": largest,
+        "identical_to_mlx_lm_on_planned_weights": sum(
+            a == b for (a, _), (b, _) in zip(ours, planned, strict=True)),
+        "engine_s": round(engine_s, 2),
         "mlx_lm_s": round(mlx_lm_s, 2), "differing_examples": differing}
     print(json.dumps({k: v for k, v in result.items() if k != "differing_examples"}))
     (args.out / "greedy_agreement.json").write_text(json.dumps(result, indent=1))

@@ -236,3 +236,30 @@ def test_experts_sliced_to_a_routed_row_limit_give_the_same_tokens(models, kind,
     # blocks of at most 5 tokens, experts of at most 2 tokens (5 routed rows) a call
     assert max(calls) <= 5 and len(calls) >= 2 * 3 * (ids.shape[1] // 5)
     assert mlx_lm_greedy(model, tokenizer, rows, 6) == whole
+
+
+def test_a_half_precision_quantized_model_gives_mlx_lms_tokens_for_the_weights_it_holds(
+        tmp_path):
+    # A bf16 model quantized: the CPU plan computes it in float32, mlx-lm as loaded in bf16,
+    # and on a random model's near-flat logits the two roundings pick different tokens. The
+    # engine's own arithmetic is exact either way: mlx-lm on the planned weights gives the
+    # engine's tokens, and `--weights quantized` (no shared-prefix attention, whose float32
+    # merge rounds otherwise than MLX's bf16 attention) gives mlx-lm's own.
+    path = str(build_family(tmp_path / "m", "qwen3", "tiny", "4bit", dtype="bfloat16"))
+    rows = labeling_rows(6)
+    model, tokenizer = load(path)
+    as_loaded = mlx_lm_greedy(model, tokenizer, rows, 6)
+    plan_and_apply(model, "dequantized")
+    planned = mlx_lm_greedy(model, tokenizer, rows, 6)
+    for concurrency in (1, 32):
+        engine = Engine.load(path, EngineConfig(max_concurrency=concurrency,
+                                                cache_dir=str(tmp_path / "c")))
+        assert engine.weight_plan.dtype == "float32"
+        assert [o.token_ids for o in engine.generate(rows, SamplingParams(max_tokens=6))] \
+            == planned, concurrency
+        engine.close()
+    engine = Engine.load(path, EngineConfig(max_concurrency=32, weights="quantized",
+                                            prefix_cache=False))
+    assert quantized_layers(engine.model)
+    assert [o.token_ids for o in engine.generate(rows, SamplingParams(max_tokens=6))] \
+        == as_loaded
