@@ -6,6 +6,7 @@ import sys
 
 import mlx.core as mx
 import pytest
+from mlx_lm import load
 from mlx_lm.models.base import create_causal_mask
 from test_shared_prefix import FIRST, SECOND, rows, run
 
@@ -14,6 +15,7 @@ from batchrun.engine.engine import Engine
 from batchrun.engine.kernels import decode_attention as da
 from batchrun.engine.kernels.nvrtc import NvrtcError
 from batchrun.engine.types import SamplingParams
+from batchrun.models.families import build_family
 
 
 def inputs(rows=5, heads=8, kv_heads=2, length=300, D=64, seed=0):
@@ -136,6 +138,38 @@ def test_greedy_tokens_do_not_change_when_decode_steps_take_row_ranges(
     monkeypatch.setattr(da, "EVERYWHERE", True)
     assert engine_tokens(demo, prompts, concurrency) == expected
     assert counted and max(counted) == min(concurrency, 24)
+
+
+def test_decode_steps_of_a_model_with_attention_sinks_take_row_ranges(monkeypatch, counted,
+                                                                     tmp_path):
+    # gpt-oss: a sink logit a head joins the softmax's denominator on every layer
+    model, tokenizer = load(str(build_family(tmp_path / "m", "gpt_oss", "tiny", "none")))
+    prompts = [list(range(3 + i % 5, 20 + (i * 7) % 40)) for i in range(12)]
+
+    def tokens():
+        engine = Engine(model, tokenizer, EngineConfig(max_concurrency=8))
+        for p in prompts:
+            engine.add_tokens(p, SamplingParams(max_tokens=10))
+        return [o.token_ids for o in engine.run()]
+
+    monkeypatch.setattr(da, "ENABLED", False)
+    expected = tokens()
+    assert not counted
+    monkeypatch.setattr(da, "ENABLED", True)
+    monkeypatch.setattr(da, "EVERYWHERE", True)
+    assert tokens() == expected
+    assert counted
+
+
+def test_the_kernel_takes_gemmas_head_dimension(monkeypatch):
+    monkeypatch.setattr(da, "on_cuda", lambda: True)
+    monkeypatch.setattr(da, "_refused", [])
+    monkeypatch.setattr(da, "_compiled", lambda *args: ("name", b"ptx"))
+    monkeypatch.setattr(da, "_verify", lambda *args: None)
+    k = mx.zeros((1, 1, 8, 256), mx.bfloat16)
+    assert da._kernel_takes(mx.zeros((1, 4, 1, 256), mx.bfloat16), k)  # Gemma 3: 4 heads of 256
+    assert da.compile_call(mx.bfloat16, 256, 4) is not None
+    assert not da._kernel_takes(mx.zeros((1, 4, 1, 96), mx.bfloat16), k[..., :96])
 
 
 @pytest.mark.parametrize("concurrency", [1, 16])

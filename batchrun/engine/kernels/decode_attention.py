@@ -40,7 +40,8 @@ ENABLED = os.environ.get("BATCHRUN_DECODE_KERNEL", "1") != "0"
 # True: decode steps take this path on every device, through `reference` where the kernel does
 # not run (tests check the path's plumbing on the CPU this way).
 EVERYWHERE = False
-HEAD_DIMS = (64, 128)
+# Head dimensions the kernel is written for (Gemma's 256: a warp's 32 lanes hold one key).
+HEAD_DIMS = (64, 128, 256)
 # Warps a thread block: 2 measured fastest with GROUPED at every shape checked (1,024 rows x
 # 256 keys: 0.36 ms against 0.39 with 4 and 0.59 with 8; benchmarks/history/, 2026-12-03).
 WARPS = 2
@@ -89,7 +90,8 @@ template <int N> struct alignas(sizeof(T) * N) BrVec { T x[N]; };
 #if GROUPED
 extern "C" __global__ void NAME(const T* q, const T* k, const T* v, const int* starts,
                                 float* out, float* lse, float scale, int length, int capacity) {
-  constexpr int VEC = 16 / sizeof(T);         // elements of a 16-byte load
+  // elements a lane loads at once: 16 bytes, or a 32nd of a row too long for 32 such loads
+  constexpr int VEC = D * sizeof(T) > 512 ? D / 32 : 16 / sizeof(T);
   constexpr int LPK = D / VEC;                // lanes that hold one key's row
   constexpr int KPW = 32 / LPK;               // keys a warp takes at once
   constexpr int U = G <= 2 ? 8 : (G <= 4 ? 4 : 2);  // loads a lane has in flight (each way)

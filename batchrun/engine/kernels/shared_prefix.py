@@ -271,13 +271,21 @@ def install(model: Any, warn: bool = True) -> bool:
         _installed[module.__name__] = original
 
         def routed(queries, keys, values, cache, scale, mask, sinks=None):
-            if isinstance(cache, SharedPrefixBatchCache):
-                if cache.groups():
-                    return attention_with_prefix(queries, keys, values, cache, scale, mask,
-                                                 sinks)
-                if sinks is None and decode_attention.serves(queries, keys, values):
-                    return ranged_attention(queries, cache.keys, cache.values,
-                                            cache.left_padding, scale, cache._idx)[0]
+            if isinstance(cache, SharedPrefixBatchCache) and cache.groups():
+                return attention_with_prefix(queries, keys, values, cache, scale, mask, sinks)
+            # mlx-lm's own batch cache too: a family with sliding or recurrent layers keeps it
+            # for its full-attention layers (the same left padding and length)
+            if type(cache) in (SharedPrefixBatchCache, BatchKVCache) and \
+                    decode_attention.serves(queries, keys, values):
+                out, lse = ranged_attention(queries, cache.keys, cache.values,
+                                            cache.left_padding, scale, cache._idx,
+                                            with_lse=sinks is not None)
+                if sinks is None:
+                    return out
+                # a sink logit a head joins each row's softmax denominator, no value
+                sink = sinks.astype(mx.float32)[None]
+                out = out * mx.exp(lse - mx.logaddexp(lse, sink))[..., None, None]
+                return out.astype(queries.dtype)
             if host_attention.serves(queries, keys, cache, sinks, mask):
                 return host_attention.attention(queries, keys, values, scale, mask)
             return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
