@@ -320,6 +320,73 @@ def test_links_in_the_cache_are_not_followed_to_a_model(tiny, tmp_path, cache):
     assert (elsewhere / "tiny.gguf").read_bytes() == tiny.data  # replaced, never written through
 
 
+@pytest.mark.parametrize("damage", ["truncated weights", "bad config", "missing tokenizer",
+                                    "linked config", "planted chat template", "linked folder"])
+def test_a_damaged_converted_folder_is_converted_again(tmp_path, cache, damage, capsys):
+    gguf = write_gguf(RANDOM_DEMO_MODEL, tmp_path / "demo.gguf")
+    folder = converted(gguf, cache)
+    whole = {p.name: p.read_bytes() for p in folder.iterdir()}
+    outside = tmp_path / "outside"
+    shutil.copytree(folder, outside)
+    (outside / "config.json").write_text('{"model_type": "llama", "vocab_size": 7}')
+    if damage == "truncated weights":
+        (folder / "model.safetensors").write_bytes(whole["model.safetensors"][:1000])
+    elif damage == "bad config":
+        (folder / "config.json").write_text("{")
+    elif damage == "missing tokenizer":
+        (folder / "tokenizer.json").unlink()
+    elif damage == "linked config":
+        (folder / "config.json").unlink()
+        (folder / "config.json").symlink_to(outside / "config.json")
+    elif damage == "planted chat template":
+        (folder / "chat_template.jinja").write_text("{{ 'planted' }}")
+    else:
+        shutil.rmtree(folder)
+        folder.symlink_to(outside)
+    capsys.readouterr()
+    assert converted(gguf, cache) == folder
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 1 and said[0].endswith("converting it again"), said
+    assert not folder.is_symlink()
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == whole
+    assert json.loads((outside / "config.json").read_text())["vocab_size"] == 7  # not followed
+    assert not [p for p in (cache / "models").iterdir() if p.name.startswith(".gguf-")]
+
+
+def test_the_conversion_converts_the_bytes_it_hashed(tmp_path, cache, monkeypatch):
+    """The file swapped for another between its hash and MLX reading it: the folder named by
+    the first file's SHA-256 holds the first file's weights."""
+    gguf = write_gguf(RANDOM_DEMO_MODEL, tmp_path / "demo.gguf")
+    digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
+    weights, meta = mx.load(str(gguf), return_metadata=True)
+    first = weights["token_embd.weight"]
+    weights["token_embd.weight"] = first * 2
+    mx.save_gguf(str(tmp_path / "other.gguf"), weights, meta)
+    real = mx.load
+
+    def swapped_first(file, *args, **kwargs):
+        if (tmp_path / "other.gguf").exists():
+            os.replace(tmp_path / "other.gguf", gguf)
+        return real(file, *args, **kwargs)
+
+    monkeypatch.setattr(mx, "load", swapped_first)
+    folder = converted(gguf, cache)
+    assert not (tmp_path / "other.gguf").exists()  # the swap happened
+    assert folder.name == f"gguf-{digest[:24]}"
+    held = real(str(folder / "model.safetensors"))["model.embed_tokens.weight"]
+    assert mx.array_equal(held, first).item()
+
+
+def test_a_killed_conversions_work_folder_is_removed_by_the_next_conversion(tmp_path, cache):
+    left = cache / "models" / ".gguf-0123456789abcdef"
+    left.mkdir(parents=True)
+    (left / "model.safetensors").write_bytes(b"\0" * 4096)
+    converted(write_gguf(RANDOM_DEMO_MODEL, tmp_path / "demo.gguf"), cache)
+    assert not left.exists()
+    assert [p.name[:5] for p in (cache / "models").iterdir() if not p.name.startswith(".")] \
+        == ["gguf-"]
+
+
 def test_a_name_wins_over_a_folder_of_that_name_here(tiny, tmp_path, monkeypatch, capsys):
     """As `demo` does: --model tiny is the named model wherever it runs; ./tiny is the
     folder."""

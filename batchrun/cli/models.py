@@ -18,6 +18,10 @@ def _say(line: str) -> None:
     click.echo(line, err=True)
 
 
+def _printable(text: str) -> str:
+    return "".join(c if c.isprintable() else "?" for c in text)  # names from the cache folder
+
+
 @click.group()
 def models() -> None:
     """Fetch a small model by name; list the models batchrun keeps."""
@@ -46,9 +50,13 @@ def models_ls(cache_dir: Path | None) -> None:
             state = f"{local_file(named, root)} {why}: batchrun models pull {named.name} " \
                     "fetches it again"
         click.echo(f"{named.name:<10} {named.title}: {state}")
-    for folder, source, size in converted_folders(root):
-        source = "".join(c if c.isprintable() else "?" for c in source)  # a file's own name
-        click.echo(f"{'gguf':<10} {source}, converted: {size / 2**20:,.1f} MiB  {folder}")
+    for folder, source, size, why in converted_folders(root):
+        if why is None:
+            click.echo(f"{'gguf':<10} {_printable(source)}, converted: {size / 2**20:,.1f} MiB  "
+                       f"{folder}")
+        else:
+            click.echo(f"{'gguf':<10} {_printable(str(folder))} {why}: converted again when "
+                       "used")
 
 
 @models.command("pull")
@@ -67,7 +75,8 @@ def models_pull(name: str, cache_dir: Path | None) -> None:
                                f"{', '.join(sorted(NAMED))}")
     root = cache_dir or default_cache_dir()
     try:
-        folder = converted(pull(named, root, _say, again=True), root)
+        folder = converted(pull(named, root, _say, again=True), root, _say, follow=False,
+                           expect=named.sha256)
     except ModelError as e:
         raise fail(str(e)) from None
     click.echo(f"{name}: ready ({folder}); run it with --model {name}")

@@ -67,7 +67,7 @@ def _converted(model: str) -> str | None:
     """The mlx-lm folder of a named model (pulled on first use) or of a GGUF file (converted
     on first use), kept in batchrun's cache folder; None for anything else. Remembered for the
     process: a run resolves its model more than once."""
-    named, gguf = _source(model)
+    named, gguf, follow = _source(model)
     if named is None and gguf is None:
         return None  # a Hugging Face id, or a path check_local explains
     from batchrun.paths import default_cache_dir
@@ -84,29 +84,32 @@ def _converted(model: str) -> str | None:
                 _say(f"note: --model {model} is batchrun's named model {model}; the {model} in "
                      f"this folder is not used (pass --model ./{model} for it)")
             gguf = pull(named, root, _say)
-        _resolved[key] = str(converted(gguf, root))
+        _resolved[key] = str(converted(gguf, root, _say, follow=follow,
+                                       expect=named and named.sha256))
     return _resolved[key]
 
 
 def _source(model: str):
-    """(the named model, the GGUF file) that `model` names; (None, None) for anything else.
-    A name wins over a file or folder of that name here, as "demo" does: ./NAME names the
-    folder."""
+    """(the named model, the GGUF file, whether a link at that file is followed) that
+    `model` names; (None, None, False) for anything else. A name wins over a file or folder
+    of that name here, as "demo" does: ./NAME names the folder. A link is followed only where
+    the user named the file itself."""
     from batchrun.models.named import NAMED, local_file
 
     named = NAMED.get(model)
     if named is not None:
         from batchrun.paths import default_cache_dir
 
-        return named, local_file(named, default_cache_dir())
+        return named, local_file(named, default_cache_dir()), False
     if not model.lower().endswith(".gguf") and not Path(model).is_dir():
-        return None, None
+        return None, None, False
     st = _stat(model)
     if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
         raise ModelError(f"{model} is not a regular file")  # a FIFO, a device: never read
     from batchrun.models.gguf import gguf_in
 
-    return None, gguf_in(model)
+    gguf = gguf_in(model)
+    return None, gguf, gguf is not None and stat.S_ISREG(st.st_mode)
 
 
 def _stat(model: str) -> os.stat_result:
