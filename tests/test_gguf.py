@@ -387,6 +387,32 @@ def test_a_killed_conversions_work_folder_is_removed_by_the_next_conversion(tmp_
         == ["gguf-"]
 
 
+def test_models_rm_removes_a_conversion_or_a_named_model_and_follows_no_link(
+        tiny, tmp_path, cache):
+    gguf = write_gguf(RANDOM_DEMO_MODEL, tmp_path / "demo.gguf")
+    folder = Path(resolve(str(gguf)))
+    listed = CliRunner().invoke(cli, ["models", "ls"])
+    assert folder.name in listed.output
+    removed = CliRunner().invoke(cli, ["models", "rm", folder.name])
+    assert removed.exit_code == 0 and f"removed {folder}" in removed.output
+    assert not folder.exists() and "demo.gguf" not in CliRunner().invoke(
+        cli, ["models", "ls"]).output
+    again = CliRunner().invoke(cli, ["models", "rm", folder.name])
+    assert again.exit_code == 1 and "nothing removed" in again.output
+    assert CliRunner().invoke(cli, ["models", "rm", "../x"]).exit_code == 2
+    named = Path(resolve("tiny"))
+    removed = CliRunner().invoke(cli, ["models", "rm", "tiny"])
+    assert removed.exit_code == 0, removed.output
+    assert not named.exists() and not tiny.file.parent.exists()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("mine")
+    (cache / "models" / folder.name).symlink_to(outside)
+    assert CliRunner().invoke(cli, ["models", "rm", folder.name]).exit_code == 0
+    assert not (cache / "models" / folder.name).is_symlink()
+    assert (outside / "keep").read_text() == "mine"
+
+
 def test_a_name_wins_over_a_folder_of_that_name_here(tiny, tmp_path, monkeypatch, capsys):
     """As `demo` does: --model tiny is the named model wherever it runs; ./tiny is the
     folder."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import click
@@ -12,6 +13,7 @@ from batchrun.paths import default_cache_dir
 _cache_dir_option = click.option(
     "--cache-dir", type=click.Path(path_type=Path), default=None, envvar="BATCHRUN_CACHE_DIR",
     help="batchrun's cache folder [default: $BATCHRUN_CACHE_DIR or ~/.cache/batchrun]")
+_CONVERTED = re.compile(r"gguf-[0-9a-f]{24}")  # a converted folder's name
 
 
 def _say(line: str) -> None:
@@ -24,7 +26,7 @@ def _printable(text: str) -> str:
 
 @click.group()
 def models() -> None:
-    """Fetch a small model by name; list the models batchrun keeps."""
+    """Fetch a small model by name; list and remove the models batchrun keeps."""
 
 
 @models.command("ls")
@@ -56,7 +58,7 @@ def models_ls(cache_dir: Path | None) -> None:
                        f"{folder}")
         else:
             click.echo(f"{'gguf':<10} {_printable(str(folder))} {why}: converted again when "
-                       "used")
+                       f"used (batchrun models rm {_printable(folder.name)} removes it)")
 
 
 @models.command("pull")
@@ -80,3 +82,28 @@ def models_pull(name: str, cache_dir: Path | None) -> None:
     except ModelError as e:
         raise fail(str(e)) from None
     click.echo(f"{name}: ready ({folder}); run it with --model {name}")
+
+
+@models.command("rm")
+@click.argument("names", nargs=-1, required=True, metavar="NAME...")
+@_cache_dir_option
+def models_rm(names: tuple[str, ...], cache_dir: Path | None) -> None:
+    """Remove named models or converted GGUF files (gguf-..., as `models ls` shows them).
+
+    A named model's file goes with its conversion; a link there is removed, not followed."""
+    from batchrun.models.gguf import remove_converted
+    from batchrun.models.named import NAMED, remove
+
+    root = cache_dir or default_cache_dir()
+    for name in names:
+        if name not in NAMED and not _CONVERTED.fullmatch(name):
+            raise click.UsageError(f"{name!r} is neither a named model ({', '.join(NAMED)}) "
+                                   "nor a converted GGUF file's folder (gguf-<24 hex digits>, "
+                                   "as batchrun models ls shows it)")
+    for name in names:
+        removed = remove(NAMED[name], root) if name in NAMED else \
+            [p for p in [remove_converted(root, name)] if p]
+        if not removed:
+            raise fail(f"{name} is not in {root / 'models'}: nothing removed")
+        for path in removed:
+            click.echo(f"removed {path}")

@@ -688,6 +688,25 @@ def _summary(models, name: str) -> tuple[str, int]:
         return "?", 0
 
 
+def remove_converted(cache_root: Path, name: str) -> Path | None:
+    """Remove the converted folder `name` (gguf-...; a link there is removed, not followed);
+    its path, or None when there is none."""
+    from batchrun.cache.folder import PrivateFolder
+
+    try:
+        models = PrivateFolder.open(cache_root, ["models"], create=False)
+    except OSError:
+        return None
+    try:
+        with models.locked(LOCK):  # not while a conversion renames it into place
+            if name not in models.names():
+                return None
+            models.remove_tree(name)
+            return models.path / name
+    finally:
+        models.close()
+
+
 def _byte_level_bpe(meta: dict, vocab: dict, source: str):
     """GPT-2's kind: bytes as printable characters, merges given, text split first by the
     pre-tokenizer the file names."""

@@ -116,6 +116,26 @@ def _fetch(named: Named, folder) -> None:
         folder.remove_tree(work.name)
 
 
+def remove(named: Named, cache_root: Path) -> list[Path]:
+    """Remove the model's pulled file (its folder) and its conversion; what was removed."""
+    from batchrun.cache.folder import PrivateFolder
+    from batchrun.models.gguf import folder_name, remove_converted
+
+    removed = []
+    try:
+        models = PrivateFolder.open(cache_root, ["models"], create=False)
+    except OSError:
+        return removed
+    try:
+        if named.name in models.names():
+            models.remove_tree(named.name)  # a link there is removed, not followed
+            removed.append(models.path / named.name)
+    finally:
+        models.close()
+    conversion = remove_converted(cache_root, folder_name(named.sha256))
+    return removed + ([conversion] if conversion else [])
+
+
 def _folder(named: Named, cache_root: Path, create: bool):
     """`models/NAME` of the cache, opened without following a link; a link, a file or a
     folder others may write there is a ModelError (FileNotFoundError when absent and not
@@ -131,7 +151,8 @@ def _folder(named: Named, cache_root: Path, create: bool):
         if e.errno in (errno.ELOOP, errno.ENOTDIR):
             raise ModelError(f"{where} is not a folder batchrun made (it, or the models "
                              "folder, is a link or a file): batchrun follows no link in its "
-                             "cache folder; remove it") from None
+                             f"cache folder; batchrun models rm {named.name} removes it") \
+                from None
         raise ModelError(f"cannot use the cache folder {cache_root}: {e.strerror or e}") \
             from None
     sharing = folder.sharing_problem()
