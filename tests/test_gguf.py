@@ -413,6 +413,22 @@ def test_models_rm_removes_a_conversion_or_a_named_model_and_follows_no_link(
     assert (outside / "keep").read_text() == "mine"
 
 
+def test_a_dry_run_downloads_and_converts_nothing_and_says_what_a_run_would(
+        tiny, tmp_path, cache):
+    rows = write_rows(tmp_path / "rows.jsonl", [{"prompt": "Review: fine.", "max_tokens": 2}])
+    result = run(rows, "--model", "tiny", "--dry-run")
+    assert "tiny is not pulled: a run would first download it" in result.output
+    assert "nothing downloaded or converted" in result.output
+    assert tiny.downloads == [] and not tiny.file.exists()
+    gguf = write_gguf(RANDOM_DEMO_MODEL, tmp_path / "demo.gguf")
+    result = run(rows, "--model", gguf, "--dry-run")
+    assert "demo.gguf is not converted yet" in result.output
+    assert not [p for p in (cache / "models").glob("gguf-*")]
+    resolve(str(gguf))
+    result = run(rows, "--model", gguf, "--dry-run")
+    assert "rows:          1" in result.output and "not converted" not in result.output
+
+
 def test_a_name_wins_over_a_folder_of_that_name_here(tiny, tmp_path, monkeypatch, capsys):
     """As `demo` does: --model tiny is the named model wherever it runs; ./tiny is the
     folder."""

