@@ -161,6 +161,50 @@ def test_prompts_are_not_kept_when_device_memory_nears_the_limit(demo):
     assert again.cached_tokens == 0 and again.token_ids == plain[2]
 
 
+def test_kept_blocks_are_let_go_when_a_decode_step_nears_the_limit(demo):
+    """A decoding batch's caches grow after its rows kept their prompts: a step that finds the
+    device's memory past the line lets go of kept blocks no row reused."""
+    cache = make_prefix_cache(FP, 1 << 30, None, block_size=16)
+    e = engine(demo, cache, max_concurrency=2)
+    params = SamplingParams(max_tokens=3)
+    e.generate([f"Row {i} " + "unique words here " * 10 for i in range(2)], params)
+    assert cache.stats.kept_blocks > 0 and len(cache.blocks) == cache.stats.kept_blocks
+    e.memory_limit = 1  # as if the batch had grown to the limit
+    e.generate(["Hi"], params)  # shorter than a block: nothing to keep, only steps
+    assert len(cache.blocks) == 0 and cache.nbytes == 0
+
+
+def test_rows_stop_keeping_prompts_no_row_reuses_and_try_again_later(demo, monkeypatch):
+    """Keeping is a bet on later rows: after KEEP_PROBE_ROWS rows kept theirs and none was
+    reused, the next KEEP_PAUSE_ROWS keep nothing (a job of unique prompts pays nothing for
+    it), then rows keep theirs again; a reuse keeps it going. Outputs never change."""
+    import batchrun.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "KEEP_PROBE_ROWS", 2)
+    monkeypatch.setattr(engine_module, "KEEP_PAUSE_ROWS", 2)
+    cache = make_prefix_cache(FP, 1 << 30, None, block_size=16)
+    e = engine(demo, cache, max_concurrency=1)
+    params = SamplingParams(max_tokens=2)
+    prompts = [f"Row {i} " + "unique words here " * 10 for i in range(8)]
+    plain = [o.token_ids for o in engine(demo, max_concurrency=1).generate(prompts, params)]
+    got, kept = [], []
+    for p in prompts[:7]:
+        got.append(e.generate([p], params)[0].token_ids)
+        kept.append(cache.stats.kept_blocks)
+    each = kept[0]
+    # rows 0-1 keep, 2-3 pause, 4-5 keep (a fresh probe), 6 pauses
+    assert each > 0 and kept == [each, 2 * each, 2 * each, 2 * each, 3 * each, 4 * each,
+                                 4 * each]
+    # a row starts from row 0's kept blocks: keeping paid, so the probe starts afresh and the
+    # next row keeps its prompt
+    reuse = e.generate([prompts[0] + " and more"], params)[0]
+    assert reuse.cached_tokens >= each * 16 and cache.stats.kept_reused == each
+    before = cache.stats.kept_blocks
+    got.append(e.generate([prompts[7]], params)[0].token_ids)
+    assert cache.stats.kept_blocks == before + each
+    assert got == plain
+
+
 def test_lru_eviction_by_bytes():
     def block(i):
         k = mx.zeros((1, 2, 4, 8))

@@ -51,6 +51,7 @@ class Block:
     # On disk already, or handed to it; a running row's prompt block is kept in memory only
     # until a later row reuses it (PrefixCache.store's `persist`).
     written: bool = True
+    kept: bool = False  # kept from a row's prompt and not reused by another row yet
 
     def __post_init__(self) -> None:
         self.nbytes = sum(a.nbytes for a in self.keys) + sum(a.nbytes for a in self.values) \
@@ -153,6 +154,7 @@ class CacheStats:
     hit_tokens: int = 0
     stored_blocks: int = 0  # computed to be shared (and written to disk)
     kept_blocks: int = 0  # of running rows' prompts, in memory until reused (store's persist)
+    kept_reused: int = 0  # kept blocks a later row started from
     evicted_blocks: int = 0
     disk_loaded_blocks: int = 0
     disk_skipped: int = 0  # corrupt, truncated or foreign entries ignored
@@ -197,6 +199,10 @@ class PrefixCache:
         if self.stateful:
             while found and found[-1].state is None:
                 found.pop()
+        for b in found:
+            if b.kept:
+                b.kept = False
+                self.stats.kept_reused += 1
         unwritten = [b for b in found if not b.written]
         if unwritten and self.on_store is not None:  # reused: worth a later run's reading
             for b in unwritten:
@@ -285,7 +291,7 @@ class PrefixCache:
                 if evaluate:
                     mx.eval(ks, vs)
                 block = Block(key, parent, tuple(tokens[lo:hi]), ks, vs, salts[i], state,
-                              written=persist)
+                              written=persist, kept=not persist)
                 self.put(block)
                 new.append(block)
                 if persist:
@@ -322,7 +328,7 @@ class PrefixCache:
     def drop_kept(self) -> int:
         """Forget the blocks kept from rows' prompts that no row has reused yet (they are
         not on disk): memory the running batch needs more. Returns the bytes let go."""
-        dropped = [key for key, block in self.blocks.items() if not block.written]
+        dropped = [key for key, block in self.blocks.items() if block.kept]
         freed = 0
         for key in dropped:
             freed += self.blocks.pop(key).nbytes

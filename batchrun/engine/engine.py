@@ -72,6 +72,12 @@ KEEP_PROMPTS = os.environ.get("BATCHRUN_KEEP_PROMPTS", "1") != "0"
 # ran at half speed with their prompts kept). Kept blocks not yet reused are dropped when
 # memory in use passes it.
 KEEP_BELOW_LIMIT = 0.8
+# ... and only while keeping pays: once KEEP_PROBE_ROWS rows have kept their prompts and no
+# later row has started from a kept block, the next KEEP_PAUSE_ROWS rows keep none, then
+# keeping is tried again. A decode job's rows are unique: with all 1,024 rows' prompts kept its
+# decode ran at 0.64x the speed without (BENCHMARKS.md, "Choices at speed").
+KEEP_PROBE_ROWS = 256
+KEEP_PAUSE_ROWS = 4096
 
 
 class Engine:
@@ -121,6 +127,10 @@ class Engine:
         self._markup: Markup | None = None
         self._ids = itertools.count()
         self._finished: list[Output] = []
+        # _keep_prompts' record: rows kept since a kept block was last reused, the reuse count
+        # then, rows still to skip, and whether unreused kept blocks may be in memory
+        self._kept_rows = self._kept_reused = self._keep_paused = 0
+        self._holding_kept = False
         self.speculator = self._speculator(backend)
         self._start_figures()
         backend.start(self.max_concurrency, self.config)
@@ -537,6 +547,8 @@ class Engine:
                 self._collect(steps)
                 self._account(prompt_work, len(steps), time.perf_counter() - start,
                               len({s.uid for s in steps}))
+                if self._holding_kept:
+                    self._release_kept()
         finished, self._finished = self._finished, []
         self.stats.requests_finished += len(finished)
         if not self.has_work():
@@ -640,9 +652,16 @@ class Engine:
             return
         missing = [(s, sum(k not in cache.blocks for k in s.block_keys)) for s in rows
                    if not s.media and s.block_keys]
-        rows = [s for s, n in missing if n]
-        if not rows:
+        missing = [(s, n) for s, n in missing if n]
+        if cache.stats.kept_reused != self._kept_reused:  # keeping paid: probe afresh
+            self._kept_reused, self._kept_rows, self._keep_paused = cache.stats.kept_reused, 0, 0
+        if self._keep_paused > 0:
+            self._keep_paused = max(0, self._keep_paused - len(missing))
             return
+        missing = missing[: KEEP_PROBE_ROWS - self._kept_rows]
+        if not missing:
+            return
+        rows = [s for s, _ in missing]
         new_blocks = sum(n for _, n in missing)
         line = KEEP_BELOW_LIMIT * self.memory_limit
         in_use = mx.get_active_memory()
@@ -650,6 +669,11 @@ class Engine:
             if in_use > line:
                 cache.drop_kept()
             return
+        self._kept_rows += len(rows)
+        if self._kept_rows >= KEEP_PROBE_ROWS:  # the next rows skip, unless these pay
+            self._keep_paused = KEEP_PAUSE_ROWS
+            self._kept_rows = 0
+        self._holding_kept = True
         upto = [len(s.block_keys) * cache.block_size for s in rows]
         kept = []
         for seq, n, layer_kv in zip(rows, upto,
@@ -659,6 +683,15 @@ class Engine:
                 kept.extend((*block.keys, *block.values))
         # Copied on the device behind the running step, not waited for: the host goes on.
         mx.async_eval(kept)
+
+    def _release_kept(self) -> None:
+        """Kept blocks no row has reused are let go once a step finds the device's memory in
+        use past KEEP_BELOW_LIMIT: the running batch's caches grow as it decodes, and a step
+        at the memory limit waits on each allocation."""
+        cache = self.prefix_cache
+        if cache is not None and mx.get_active_memory() > KEEP_BELOW_LIMIT * self.memory_limit:
+            cache.drop_kept()
+            self._holding_kept = False
 
     @property
     def _block_bytes(self) -> int:
