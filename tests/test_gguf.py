@@ -468,9 +468,11 @@ def smollm2(tmp_path_factory):
 
 
 def _reference_check(model, cases):
-    """(positions, top tokens that differ, largest and mean |log-probability difference|) of
-    the model teacher-forced along llama.cpp's greedy tokens."""
-    positions, differ, diffs = 0, 0, []
+    """(positions, top tokens that differ, largest and mean |log-probability difference|, and
+    the differing top tokens that are not a near-tie for llama.cpp: outside its top 5 or more
+    than 0.7 nats below its top token) of the model teacher-forced along llama.cpp's greedy
+    tokens."""
+    positions, differ, far, diffs = 0, 0, 0, []
     for case in cases:
         assert model.tokenizer.encode(case["text"], add_special_tokens=False) == case["prompt"]
         lp = logits(model, case["prompt"] + case["greedy"])
@@ -478,9 +480,13 @@ def _reference_check(model, cases):
         for j, top in enumerate(case["top"]):
             row = lp[start + j]
             positions += 1
-            differ += int(mx.argmax(row).item()) != top[0][0]
+            ours = int(mx.argmax(row).item())
+            if ours != top[0][0]:
+                differ += 1
+                theirs = dict((token, ref) for token, ref in top)
+                far += ours not in theirs or theirs[ours] < top[0][1] - 0.7
             diffs += [abs(row[token].item() - ref) for token, ref in top]
-    return positions, differ, max(diffs), sum(diffs) / len(diffs)
+    return positions, differ, max(diffs), sum(diffs) / len(diffs), far
 
 
 def test_smollm2_matches_llama_cpp_on_the_same_weights(smollm2, monkeypatch):
@@ -488,7 +494,10 @@ def test_smollm2_matches_llama_cpp_on_the_same_weights(smollm2, monkeypatch):
     them on a CPU, llama.cpp computing in float32 too (the same weights written as a float32
     GGUF) gives the same greedy tokens and, at each position, its top 5 log-probabilities
     within 0.05 nats. On the 4-bit file itself llama.cpp rounds activations to 8 bits for its
-    dot products: the same top token at nearly every position, log-probabilities close."""
+    dot products, and its own settings move its answers as much as batchrun differs from it
+    (flash attention on: 7 of 210 top tokens differ from this reference; a float32 KV cache: 9;
+    batchrun: 4): a top token may differ only where llama.cpp itself nearly tied, and rarely
+    (docs/models.md, "Against llama.cpp")."""
     from batchrun.models.weights import plan_and_apply
 
     root, _ = smollm2
@@ -497,11 +506,11 @@ def test_smollm2_matches_llama_cpp_on_the_same_weights(smollm2, monkeypatch):
     plan = plan_and_apply(model.model, "dequantized", device="cpu")
     assert plan.dtype == "float32" and plan.quantization.startswith("mixed")
     exact = json.loads((DATA / "smollm2_f32_llamacpp_reference.json").read_text())
-    positions, differ, worst, _ = _reference_check(model, exact["cases"])
+    positions, differ, worst, _, _ = _reference_check(model, exact["cases"])
     assert positions == 185 and differ == 0 and worst < 0.05, (differ, worst)
     quantized = json.loads((DATA / "smollm2_llamacpp_reference.json").read_text())
-    positions, differ, worst, mean = _reference_check(model, quantized["cases"])
-    assert differ <= positions // 25 and mean < 0.15, (differ, positions, worst, mean)
+    positions, differ, worst, mean, far = _reference_check(model, quantized["cases"])
+    assert differ <= positions // 25 and far == 0 and mean < 0.15, (differ, far, worst, mean)
 
 
 def test_the_readmes_labeling_recipe_labels_unambiguous_reviews(smollm2, tmp_path,
