@@ -155,23 +155,28 @@ OPTIONAL = [{"type": "function", "function": {"name": "ping", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"},
                                      "c": {"type": "integer"}}}}}]
 # Arguments written one by one, none required: any of them in the schema's order, or none
-# (Qwen3-Coder's form refuses such calls today, whichever arguments are written: issue 51's
-# note)
-IN_ORDER = {"pythonic": ("<|tool_call_start|>[ping({})]<|tool_call_end|>", "{}={}", ", ")}
+IN_ORDER = {"pythonic": ("<|tool_call_start|>[ping({})]<|tool_call_end|>", "{}={}", ", "),
+            "qwen3_coder": ("<tool_call>\n<function=ping>\n{}</function>\n</tool_call>",
+                            "<parameter={}>\n{}\n</parameter>\n", "")}
 
 
 @pytest.mark.parametrize("form", sorted(IN_ORDER))
-def test_optional_arguments_are_taken_in_order_and_any_may_be_left_out(form, demo_grammars):
+def test_optional_arguments_are_taken_in_order_and_any_may_be_left_out(tmp_path, form,
+                                                                        demo_grammars):
     tokenizer, grammars = demo_grammars
     call, argument, separator = IN_ORDER[form]
-    constraint = tool_call_constraint(OPTIONAL, ToolForm(
-        form, '"<|tool_call_start|>"', '"<|tool_call_end|>"'))
+    model = load_model(str(family_model(tmp_path, form)))
+    markup = Markup.of(model.tokenizer)  # the markers as the family's vocabulary holds them
+    constraint = tool_call_constraint(OPTIONAL, ToolForm.of(markup, lambda text: (
+        model.tokenizer.encode(text, add_special_tokens=False))))
 
     def text(*keys):
         return call.format(separator.join(argument.format(k, 1) for k in keys))
 
     for keys in [(), ("a",), ("b",), ("c",), ("a", "c"), ("b", "c"), ("a", "b", "c")]:
         assert _accepts(grammars, tokenizer, constraint, text(*keys)), keys
+        answer, (call_read,) = parse_tool_calls(text(*keys), markup, OPTIONAL)
+        assert (answer, json.loads(call_read.arguments)) == ("", dict.fromkeys(keys, 1))
     for keys in [("b", "a"), ("c", "a"), ("a", "a")]:
         assert not _accepts(grammars, tokenizer, constraint, text(*keys)), keys
 
