@@ -430,3 +430,20 @@ def test_tool_choice_on_a_tool_format_that_cannot_be_constrained_is_the_rows_err
                        RowOptions(tool_form=None))
     assert isinstance(error, RowError) and error.code == "unsupported_field"
     assert "cannot be constrained" in error.message
+
+
+def test_a_grammar_past_the_grammar_engines_symbol_count_is_refused_not_a_panic(demo):
+    """llguidance numbers a grammar's symbols in 16 bits and panics past 65,525 of them (a
+    tool call of thousands of arguments reached it); the size limit refuses such a grammar
+    first, with an error that says so."""
+    from batchrun.engine.backends.text import vocab_size
+    from batchrun.engine.decoding.constrain import Grammars
+    from batchrun.engine.types import ConstraintError
+
+    grammars = Grammars(demo.tokenizer, vocab_size(demo.model, demo.tokenizer))
+    n = 20_000  # JSON values, a few symbols each
+    lark = ("start: " + " | ".join(f"v{i}" for i in range(n)) + "\n" + "\n".join(
+        f'v{i}: "k{i}=" %json {{"type": "integer", "minimum": {i}}}' for i in range(n)))
+    with pytest.raises(ConstraintError, match="number of symbols") as refused:
+        grammars.check(Constraint("lark", lark))
+    assert "panic" not in str(refused.value)
