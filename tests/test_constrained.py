@@ -447,3 +447,23 @@ def test_a_grammar_past_the_grammar_engines_symbol_count_is_refused_not_a_panic(
     with pytest.raises(ConstraintError, match="number of symbols") as refused:
         grammars.check(Constraint("lark", lark))
     assert "panic" not in str(refused.value)
+
+
+def test_an_answer_the_grammar_engine_gives_up_on_is_an_error_that_says_why(tmp_path):
+    """A schema that compiles but outgrows llguidance's parser while the row decodes (600
+    optional properties: more items than it holds where any may come next) ends the row; the
+    error gives the engine's reason, not a shortage of max_tokens."""
+    wide = {"type": "object", "additionalProperties": False,
+            "properties": {f"p{i}": {"type": "integer"} for i in range(600)}}
+    rows = [{"custom_id": "wide", "messages": [{"role": "user", "content": "Q?"}],
+             "guided_json": wide, "max_tokens": 40},
+            {"custom_id": "short", "prompt": "x", "guided_json": SCHEMA, "max_tokens": 3},
+            {"custom_id": "free", "prompt": "x", "max_tokens": 3}]
+    job = tmp_path / "job"
+    run(write_rows(tmp_path / "rows.jsonl", rows), "--job-dir", job)
+    errors = {e["custom_id"]: e["error"] for e in jsonl(job / "errors.jsonl")}
+    assert errors["wide"]["code"] == "constraint_incomplete"
+    assert "grammar engine gave up" in errors["wide"]["message"]
+    assert "items" in errors["wide"]["message"]  # its reason, first line only
+    assert "\n" not in errors["wide"]["message"]
+    assert "max_tokens" in errors["short"]["message"]  # cut short: still said so
