@@ -430,3 +430,40 @@ def test_tool_choice_on_a_tool_format_that_cannot_be_constrained_is_the_rows_err
                        RowOptions(tool_form=None))
     assert isinstance(error, RowError) and error.code == "unsupported_field"
     assert "cannot be constrained" in error.message
+
+
+def test_a_grammar_past_the_grammar_engines_symbol_count_is_refused_not_a_panic(demo):
+    """llguidance numbers a grammar's symbols in 16 bits and panics past 65,525 of them (a
+    tool call of thousands of arguments reached it); the size limit refuses such a grammar
+    first, with an error that says so."""
+    from batchrun.engine.backends.text import vocab_size
+    from batchrun.engine.decoding.constrain import Grammars
+    from batchrun.engine.types import ConstraintError
+
+    grammars = Grammars(demo.tokenizer, vocab_size(demo.model, demo.tokenizer))
+    n = 20_000  # JSON values, a few symbols each
+    lark = ("start: " + " | ".join(f"v{i}" for i in range(n)) + "\n" + "\n".join(
+        f'v{i}: "k{i}=" %json {{"type": "integer", "minimum": {i}}}' for i in range(n)))
+    with pytest.raises(ConstraintError, match="number of symbols") as refused:
+        grammars.check(Constraint("lark", lark))
+    assert "panic" not in str(refused.value)
+
+
+def test_an_answer_the_grammar_engine_gives_up_on_is_an_error_that_says_why(tmp_path):
+    """A schema that compiles but outgrows llguidance's parser while the row decodes (600
+    optional properties: more items than it holds where any may come next) ends the row; the
+    error gives the engine's reason, not a shortage of max_tokens."""
+    wide = {"type": "object", "additionalProperties": False,
+            "properties": {f"p{i}": {"type": "integer"} for i in range(600)}}
+    rows = [{"custom_id": "wide", "messages": [{"role": "user", "content": "Q?"}],
+             "guided_json": wide, "max_tokens": 40},
+            {"custom_id": "short", "prompt": "x", "guided_json": SCHEMA, "max_tokens": 3},
+            {"custom_id": "free", "prompt": "x", "max_tokens": 3}]
+    job = tmp_path / "job"
+    run(write_rows(tmp_path / "rows.jsonl", rows), "--job-dir", job)
+    errors = {e["custom_id"]: e["error"] for e in jsonl(job / "errors.jsonl")}
+    assert errors["wide"]["code"] == "constraint_incomplete"
+    assert "grammar engine gave up" in errors["wide"]["message"]
+    assert "items" in errors["wide"]["message"]  # its reason, first line only
+    assert "\n" not in errors["wide"]["message"]
+    assert "max_tokens" in errors["short"]["message"]  # cut short: still said so

@@ -90,6 +90,12 @@ def make_output(seq: Sequence, reason: FinishReason, decode, error: str | None =
         top_logprobs=seq.top_logprobs, ttft_s=seq.ttft, error=error,
         constraint_complete=(seq.processor.complete if seq.processor
                              else True if seq.answer is not None else None),
+        constraint_error=_first_line(seq.processor.error) if seq.processor else None,
         choice_logprobs=seq.choice_logprobs,
         thinking_opened=seq.thinking_opened,
     )
+
+
+def _first_line(error: str | None) -> str | None:
+    """The reason in the grammar engine's error, without the parser state it appends."""
+    return error.strip().splitlines()[0] if error and error.strip() else None

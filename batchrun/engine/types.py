@@ -143,6 +143,8 @@ class Output:
     # Constrained rows: whether the answer is a whole match of the constraint (False when it
     # was cut short, e.g. by max_tokens); with choices, log P(choice | prompt) for each.
     constraint_complete: bool | None = None
+    # ... and where the grammar engine gave up on the answer (a limit of its own), why
+    constraint_error: str | None = None
     choice_logprobs: dict[str, float] | None = None
     thinking_opened: bool = False  # the prompt ended inside a reasoning block (reasoning.py)
 

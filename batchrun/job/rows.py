@@ -344,17 +344,16 @@ def tool_choice_constraint(body: dict, options: RowOptions) -> Constraint | None
     tools = body.get("tools")
     if not isinstance(tools, list) or not tools:
         raise RowRejected("invalid_field", f"tool_choice {_short(repr(choice), 80)} needs tools")
-    if choice == "required":
-        chosen = tools
-    elif isinstance(choice, dict) and choice.get("type") == "function" \
+    name = None  # "required": a call of any of them
+    if isinstance(choice, dict) and choice.get("type") == "function" \
             and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
-        chosen = [t for t in tools if isinstance(t, dict)
-                  and (t.get("function") or {}).get("name") == name]
-        if not chosen:
-            raise RowRejected("invalid_field", f"tool_choice names function {name!r}, which "
-                                               "tools do not offer")
-    else:
+        if not any(isinstance(t, dict) and isinstance(t.get("function"), dict)
+                   and t["function"].get("name") == name for t in tools):
+            raise RowRejected("invalid_field", f"tool_choice names function "
+                                               f"{_short(repr(name), 80)}, which tools do not "
+                                               "offer")
+    elif choice != "required":
         raise RowRejected("invalid_field", "tool_choice must be \"auto\", \"none\", "
                                            "\"required\" or {\"type\": \"function\", "
                                            "\"function\": {\"name\": ...}}")
@@ -366,11 +365,11 @@ def tool_choice_constraint(body: dict, options: RowOptions) -> Constraint | None
                           f"tool_choice {_short(repr(choice), 80)}: this model's tool-call "
                           "format cannot be constrained; use \"auto\"")
     try:
-        constraint = tool_call_constraint(chosen, options.tool_form)
+        constraint = tool_call_constraint(tools, options.tool_form, name)
         if options.check_constraint is not None:
             options.check_constraint(constraint)
-    except ConstraintError as e:
-        raise RowRejected("invalid_constraint", f"tool_choice: {e}") from None
+    except ConstraintError as e:  # it may quote the tools (a name, the grammar): cut short
+        raise RowRejected("invalid_constraint", f"tool_choice: {_short(e, 600)}") from None
     return constraint
 
 

@@ -506,6 +506,10 @@ def _row_problem(task: Task, outs: list[Output]) -> tuple[str, str] | None:
             return "request_failed", out.error or "the request failed"
     constraint = task.params.constraint
     for out in outs:
+        if out.constraint_error is not None:
+            return ("constraint_incomplete",
+                    f"the grammar engine gave up on {constraint.describe()} after "
+                    f"{out.completion_tokens} tokens ({out.constraint_error}): simplify it")
         if out.constraint_complete is False:
             return ("constraint_incomplete",
                     f"the answer ended ({out.finish_reason.value}, {out.completion_tokens} "

@@ -25,6 +25,11 @@ import numpy as np
 from batchrun.engine.decoding.reasoning import ThinkingGate
 from batchrun.engine.types import Constraint, ConstraintError
 
+# llguidance numbers a grammar's symbols in 16 bits and panics past 65,525 of them (1.9:
+# `grammar.symbols.len() < u16::MAX - 10`); its size limit, held below that, refuses such a
+# grammar with an error instead (a tool call of many arguments reaches it; tool_grammar.py).
+MAX_GRAMMAR_SYMBOLS = 60_000
+
 
 def response_format_constraint(response_format: Any) -> Constraint | None:
     """OpenAI's `response_format`: text (no constraint), json_object, or json_schema."""
@@ -75,10 +80,11 @@ class Grammars:
                 grammar = constraint.grammar()
             except ValueError as e:  # llguidance rejects the schema or the regex
                 raise ConstraintError(f"{constraint.describe()} does not compile: {e}") from None
-            error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+            limits = llguidance.LLParserLimits(max_grammar_size=MAX_GRAMMAR_SYMBOLS)
+            error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer, limits=limits)
             if error and not error.startswith("WARNING"):
                 raise ConstraintError(f"{constraint.describe()} does not compile: {error}")
-            template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+            template = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=limits)
             if template.is_error():
                 raise ConstraintError(f"{constraint.describe()} does not compile: "
                                       f"{template.get_error()}")
