@@ -300,9 +300,10 @@ def test_the_kernels_source_compiles_to_ptx_with_the_launched_name(dtype, heads_
     names = set()
     for D in da.HEAD_DIMS:
         for G in heads_per_kv:
-            for grouped in (True, False):
+            # the ungrouped kernel (the check script's comparison) at one head size
+            for grouped in (True, False) if da.HEAD_DIMS[0] == D else (True,):
                 name, ptx = da._compiled(dtype, D, G, da.WARPS, grouped)
                 assert ptx.endswith(b"\0")  # the driver reads PTX up to its NUL
                 assert f".visible .entry {name}(".encode() in ptx
                 names.add(name)
-    assert len(names) == 2 * len(da.HEAD_DIMS) * len(heads_per_kv)  # no two share a name
+    assert len(names) == (len(da.HEAD_DIMS) + 1) * len(heads_per_kv)  # no two share a name
