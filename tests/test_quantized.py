@@ -246,7 +246,9 @@ def test_a_half_precision_quantized_model_gives_mlx_lms_tokens_for_the_weights_i
     # engine's tokens, and `--weights quantized` (no shared-prefix attention, whose float32
     # merge rounds otherwise than MLX's bf16 attention) gives mlx-lm's own.
     path = str(build_family(tmp_path / "m", "qwen3", "tiny", "4bit", dtype="bfloat16"))
-    rows = labeling_rows(3)
+    rng = random.Random(3)
+    rows = [[{"role": "system", "content": review(rng)[1]},
+             {"role": "user", "content": review(rng)[1]}] for _ in range(3)]
     model, tokenizer = load(path)
     as_loaded = mlx_lm_greedy(model, tokenizer, rows, 6)
     plan_and_apply(model, "dequantized")
