@@ -32,7 +32,8 @@
 #          them): qwen3 bf16 (the baseline), qwen3 4-bit, then the 4-bit mixture of experts.
 #   agreetrained: the same comparison on a trained checkpoint, whose next-token distributions
 #          are peaked as a real model's are: sample_data/demo-trained converted by mlx-lm to
-#          bf16 and to 4-bit (group 64) from bf16.
+#          bf16 and to 4-bit (group 64) from bf16; the bf16 baselines (here and in agree) also
+#          read mlx-lm's batch_generate against its generate_step.
 #   sliding: labeling (batchrun cold/warm, the peer) for the sliding-window shapes (gemma3 and
 #          gpt_oss, bf16): rows start from cached blocks, each holding its copy of them.
 #   hybrid: labeling (batchrun cold/warm, the peer) for the hybrid recurrent shapes (qwen3_5,
@@ -282,7 +283,7 @@ agree() {
   # the baseline the 4-bit model's share is read against.
   builds agree qwen3-bf16 qwen3 none qwen3-4bit qwen3 4bit || return 1
   item agree agree-bf16 300 100 $PY scripts/check_greedy_agreement.py "$b" "$OUT/agree-bf16" \
-    --rows "$rows" --instruction "$LAB_WORDS" --max-tokens "$LAB_TOKENS"
+    --rows "$rows" --instruction "$LAB_WORDS" --max-tokens "$LAB_TOKENS" --mlx-lm-batched 256
   item agree agree-q4 300 100 $PY scripts/check_greedy_agreement.py "$q" "$OUT/agree-q4" \
     --rows "$rows" --instruction "$LAB_WORDS" --max-tokens "$LAB_TOKENS"
   build moe-4bit qwen3_moe 4bit || return 1
@@ -301,7 +302,7 @@ agreetrained() {
     --q-group-size 64 || return 1
   item agreetrained agree-trained-bf16 200 40 $PY scripts/check_greedy_agreement.py "$t" \
     "$OUT/agree-trained-bf16" --rows "$rows" --instruction "$LAB_WORDS" \
-    --max-tokens "$LAB_TOKENS"
+    --max-tokens "$LAB_TOKENS" --mlx-lm-batched "$rows"
   item agreetrained agree-trained-q4 200 40 $PY scripts/check_greedy_agreement.py "$q" \
     "$OUT/agree-trained-q4" --rows "$rows" --instruction "$LAB_WORDS" \
     --max-tokens "$LAB_TOKENS"

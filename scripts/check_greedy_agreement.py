@@ -1,7 +1,7 @@
 """Greedy tokens of batchrun's engine against mlx-lm's own generation of the model as loaded.
 
     python scripts/check_greedy_agreement.py MODEL OUT_DIR [--rows 512] [--instruction 1000]
-        [--max-tokens 8] [--weights auto]
+        [--max-tokens 8] [--weights auto] [--mlx-lm-batched N]
 
 The labeling rows of scripts/bench_labeling.py (one shared instruction, a review a row). batchrun:
 the engine with its weight plan (on CUDA a quantized model's layers are dequantized into bf16, so
@@ -10,11 +10,14 @@ mlx-lm: `generate_step` on each row alone, on the model as loaded. Reported: the
 whose greedy tokens are identical, the share whose first token is, where the others first
 differ, the largest difference of a chosen token's log-probability over the positions before
 the first difference, and the rows identical to mlx-lm's generation on the weights as the plan
-holds them (which separates the plan's rounding from the engine's arithmetic).
+holds them (which separates the plan's rounding from the engine's arithmetic), and with
+--mlx-lm-batched the rows mlx-lm's own batch_generate gives as its generate_step does (how far
+any batched run can agree).
 Writes OUT_DIR/greedy_agreement.json.
 """
 
 import argparse
+import itertools
 import json
 import sys
 import tempfile
@@ -27,7 +30,7 @@ import batchrun  # noqa: F401  (the same BLAS routing as batchrun gets)
 # isort: split
 import mlx.core as mx
 from mlx_lm import load
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import batch_generate, generate_step
 
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.engine import Engine
@@ -59,6 +62,19 @@ def mlx_lm_rows(model_path: str, rows: list[list[dict]], max_tokens: int, plan: 
     return out
 
 
+def mlx_lm_batched_rows(model_path: str, rows: list[list[dict]], max_tokens: int,
+                        batch: int) -> list[list[int]]:
+    """mlx-lm's own batch_generate on the rows, `batch` at a time: how far mlx-lm agrees with
+    itself alone and batched (the baseline any batched run is read against)."""
+    model, tokenizer = load(model_path)
+    prompts = [tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in rows]
+    eos = set(tokenizer.eos_token_ids)
+    out = batch_generate(model, tokenizer, prompts, max_tokens=max_tokens,
+                         return_token_ids=True, completion_batch_size=batch,
+                         prefill_batch_size=batch).token_ids
+    return [list(itertools.takewhile(lambda t: t not in eos, ids)) for ids in out]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -67,6 +83,8 @@ def main() -> None:
     ap.add_argument("--instruction", type=int, default=1000, help="instruction length in words")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--weights", default="auto")
+    ap.add_argument("--mlx-lm-batched", type=int, default=0, metavar="N",
+                    help="also mlx-lm's batch_generate, N rows a batch, against its generate_step")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "rows.jsonl"
@@ -88,6 +106,8 @@ def main() -> None:
     mlx_lm_s = time.perf_counter() - start
     # mlx-lm on the planned weights: a difference there is the engine's, not the plan's
     planned = mlx_lm_rows(args.model, rows, args.max_tokens, args.weights) if changed else theirs
+    batched = mlx_lm_batched_rows(args.model, rows, args.max_tokens, args.mlx_lm_batched) \
+        if args.mlx_lm_batched else None
 
     identical = first = 0
     where: Counter = Counter()
@@ -113,6 +133,8 @@ def main() -> None:
         "largest_logprob_difference": largest,
         "identical_to_mlx_lm_on_planned_weights": sum(
             a == b for (a, _), (b, _) in zip(ours, planned, strict=True)),
+        "mlx_lm_batched_identical_to_mlx_lm": None if batched is None else sum(
+            a == b for a, (b, _) in zip(batched, theirs, strict=True)),
         "engine_s": round(engine_s, 2),
         "mlx_lm_s": round(mlx_lm_s, 2), "differing_examples": differing}
     print(json.dumps({k: v for k, v in result.items() if k != "differing_examples"}))
