@@ -663,11 +663,9 @@ class Engine:
             return
         rows = [s for s, _ in missing]
         new_blocks = sum(n for _, n in missing)
-        line = KEEP_BELOW_LIMIT * self.memory_limit
-        in_use = mx.get_active_memory()
-        if in_use + new_blocks * self._block_bytes > line:
-            if in_use > line:
-                cache.drop_kept()
+        if mx.get_active_memory() + new_blocks * self._block_bytes \
+                > KEEP_BELOW_LIMIT * self.memory_limit:
+            self._release_kept()  # past the line already: the unreused ones go too
             return
         self._kept_rows += len(rows)
         if self._kept_rows >= KEEP_PROBE_ROWS:  # the next rows skip, unless these pay

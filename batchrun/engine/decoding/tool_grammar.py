@@ -157,14 +157,18 @@ class _Rules(list):
         super().append(rule)
 
 
+def _name_error(tool, why: str) -> ConstraintError:
+    """A tool whose name the model's call format cannot write, said as the row's field."""
+    return ConstraintError(f"tools[{tool.index}].function.name {tool.name!r}: {why}")
+
+
 def _mistral_args(tools, form: ToolForm) -> str:
     rules = _Rules([f"start: {form.start} call",
                     "call: " + " | ".join(f"call{i}" for i in range(len(tools)))])
     for i, tool in enumerate(tools):
         if not MISTRAL_NAME.fullmatch(tool.name):
-            raise ConstraintError(f"tools[{tool.index}].function.name {tool.name!r}: this "
-                                  "model's calls name a function with letters, digits, '_' and "
-                                  "'-' only")
+            raise _name_error(tool, "this model's calls name a function with letters, "
+                                    "digits, '_' and '-' only")
         refs = Refs(tool)
         refs.root()
         arguments = _with_table(refs.embed(tool.parameters, tool.where), refs.table)
@@ -260,8 +264,8 @@ def _pythonic(tools, form: ToolForm) -> str:
                     f"KEYWORD: {_KEYWORD_TERMINAL}"])
     for i, tool in enumerate(tools):
         if not all(_python_name(part) for part in tool.name.split(".")):
-            raise ConstraintError(f"tools[{tool.index}].function.name {tool.name!r}: this "
-                                  "model's calls are Python calls, and it is not a Python name")
+            raise _name_error(tool, "this model's calls are Python calls, and it is not a "
+                                    "Python name")
         refs = Refs(tool)
         lists = _argument_lists(refs)
         if lists is None:
@@ -326,9 +330,8 @@ def _xml(tools, form: ToolForm) -> str:
     texts: dict[tuple, str] = {}  # terminals of values, by what they match
     for i, tool in enumerate(tools):
         if not XML_NAME.fullmatch(tool.name):
-            raise ConstraintError(f"tools[{tool.index}].function.name {tool.name!r}: this "
-                                  "model's calls cannot name a function with spaces or angle "
-                                  "brackets")
+            raise _name_error(tool, "this model's calls cannot name a function with spaces "
+                                    "or angle brackets")
         refs = Refs(tool)
         lists = _argument_lists(refs)
         if lists is None:
